@@ -1,0 +1,1 @@
+"""kvstrata.cluster: front ends, CLI, config and benchmarks."""

@@ -1,0 +1,1 @@
+"""kvstrata.protos: see DESIGN.md; filled in by later issues."""

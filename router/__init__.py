@@ -1,0 +1,1 @@
+"""kvstrata.router: see DESIGN.md; filled in by later issues."""

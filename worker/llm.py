@@ -1,0 +1,143 @@
+"""`LLM`: the in-process engine, for scripts, tests and benchmarks. Needs neither Ray nor a server."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+import torch
+
+from kvstrata.worker.engine import LLMEngine
+from kvstrata.worker.kv_cache_manager import KVCacheManager
+from kvstrata.worker.loader import load_model
+from kvstrata.worker.model_runner import ModelRunner
+from kvstrata.worker.outputs import RequestOutput
+from kvstrata.worker.sampling_params import SamplingParams
+from kvstrata.worker.scheduler import SchedulerConfig
+
+DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of host memory for KV when no block count is given
+DEFAULT_GPU_KV_FRACTION = 0.85  # of the device memory still free after loading the weights
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", block_size: int = 16, num_gpu_blocks: int | None = None,
+                 max_model_len: int | None = None, dtype: str | None = None, device: str | None = None,
+                 seed: int = 0, enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 128, kv_cache_bytes: int | None = None):
+        _check_positive("block_size", block_size)
+        if num_gpu_blocks is not None:
+            _check_positive("num_gpu_blocks", num_gpu_blocks)
+        if max_model_len is not None:
+            _check_positive("max_model_len", max_model_len)
+        _check_positive("max_num_batched_tokens", max_num_batched_tokens)
+        _check_positive("max_num_seqs", max_num_seqs)
+        loaded = load_model(model, dtype=dtype, device=device)
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_id = loaded.source.model_id
+        limit = self.config.max_position_embeddings
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's maximum ({limit})")
+        block_bytes = ModelRunner.kv_bytes_per_block(loaded.model, block_size)
+        if num_gpu_blocks is None:
+            num_gpu_blocks = max(1, _kv_budget(loaded.model.device, kv_cache_bytes) // block_bytes)
+        runner = ModelRunner(loaded.model, num_gpu_blocks, block_size)
+        kv = KVCacheManager(num_gpu_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        sched = SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len or limit,
+        )
+        self.engine = LLMEngine(runner, self.tokenizer, kv, sched, self.model_id, seed=seed)
+        self._ids = itertools.count()
+
+    # -- generation ------------------------------------------------------------------------
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 cache_salt: str = "") -> list[RequestOutput]:
+        """Outputs in the order of `prompts` (strings, or lists of token ids)."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt given bare
+        if not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+        params = self._params_list(sampling_params, len(prompts))
+        encoded = []
+        for i, p in enumerate(prompts):
+            field = f"prompts[{i}]"
+            if isinstance(p, str):
+                if not p:
+                    raise ValueError(f"{field} is empty")
+                ids, text = self.tokenizer.encode(p), p
+            elif isinstance(p, Sequence):
+                ids, text = list(p), None
+            else:
+                raise ValueError(f"{field} must be a string or a list of token ids")
+            self.engine.validate_prompt(ids, params[i], field)
+            encoded.append((ids, text))
+        return self._run([(ids, text, sp) for (ids, text), sp in zip(encoded, params)], cache_salt)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, cache_salt: str = "") -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations."""
+        if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+            messages = [messages]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a conversation or a non-empty list of conversations")
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in messages]
+        prompt_ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        params = self._params_list(sampling_params, len(texts))
+        for i, ids in enumerate(prompt_ids):
+            self.engine.validate_prompt(ids, params[i], f"messages[{i}]")
+        return self._run(list(zip(prompt_ids, texts, params)), cache_salt)
+
+    def _params_list(self, sp: Any, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n or not all(isinstance(p, SamplingParams) for p in sp):
+            raise ValueError(f"sampling_params must be one SamplingParams or a list of {n}")
+        return sp
+
+    def _run(self, items: list[tuple[list[int], str | None, SamplingParams]], cache_salt: str) -> list[RequestOutput]:
+        ids = [str(next(self._ids)) for _ in items]
+        try:
+            for rid, (prompt_ids, text, sp) in zip(ids, items):
+                self.engine.add_request(rid, prompt_ids, sp, prompt=text, cache_salt=cache_salt)
+            done: dict[str, RequestOutput] = {}
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    done[out.request_id] = out
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return [done[rid] for rid in ids]
+
+    # -- introspection ---------------------------------------------------------------------
+    def cache_stats(self) -> dict[str, Any]:
+        return self.engine.cache_stats()
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.kv.pool.reset_prefix_cache()
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _kv_budget(device: torch.device, kv_cache_bytes: int | None) -> int:
+    if kv_cache_bytes is not None:
+        _check_positive("kv_cache_bytes", kv_cache_bytes)
+        return kv_cache_bytes
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * DEFAULT_GPU_KV_FRACTION)
+    return DEFAULT_CPU_KV_BYTES

@@ -1,0 +1,88 @@
+"""Load a model (config, weights, tokenizer) from an HF directory, a GGUF file or an alias."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvstrata.worker.config import ModelConfig
+from kvstrata.worker.gguf_loader import converted_dir, gguf_config
+from kvstrata.worker.model import LlamaModel
+from kvstrata.worker.model_source import ModelSource, resolve_model
+from kvstrata.worker.tokenizer import Tokenizer
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+    source: ModelSource
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    return dev
+
+
+def load_config(model: str) -> ModelConfig:
+    """Only the config (no weights): for sizing and validation."""
+    src = resolve_model(model)
+    if src.kind == "gguf":
+        return ModelConfig.from_hf_dict(gguf_config(src.path), model_id=src.model_id)
+    return ModelConfig.from_json_file(src.path / "config.json", model_id=src.model_id)
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors weight files")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def load_model(model: str, dtype: str | torch.dtype | None = None,
+               device: str | torch.device | None = None) -> LoadedModel:
+    src = resolve_model(model)
+    hf_dir = converted_dir(src.path) if src.kind == "gguf" else src.path
+    config = ModelConfig.from_json_file(hf_dir / "config.json", model_id=src.model_id)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    weights = read_safetensors(hf_dir)
+    llama = LlamaModel(config, weights, torch_dtype, dev)
+    del weights
+    return LoadedModel(config, llama, Tokenizer.from_dir(hf_dir), src)

@@ -1,0 +1,110 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over one flattened batch of tokens.
+
+Every step runs on [T, hidden] where T mixes decode tokens and prefill chunks of many requests;
+attention alone knows the request boundaries (through AttentionMetadata). q/k/v and gate/up are
+fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvstrata.worker.attention import AttentionMetadata, paged_attention, write_kv
+from kvstrata.worker.config import ModelConfig
+from kvstrata.worker.rope import RotaryEmbedding
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor  # [hidden, H * D]
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * inter, hidden]
+    down: torch.Tensor  # [hidden, inter]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same operation order as the HF reference, so greedy outputs stay token-identical.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device):
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        c = config
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")  # [V, hidden]
+        if self.embed.shape[0] != c.vocab_size or self.embed.shape[1] != c.hidden_size:
+            raise ValueError(f"embedding shape {tuple(self.embed.shape)} does not match the config")
+        self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
+        self.norm = w("model.norm.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if c.attention_bias:
+                bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
+            self.layers.append(
+                LayerWeights(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    qkv=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                    qkv_bias=bias,
+                    o_proj=w(a + "o_proj.weight"),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                    down=w(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
+                                    c.rope_scaling, dtype, device)
+        self.scale = c.head_dim**-0.5
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_cache: [L, 2, num_blocks, block_size, Hkv, D] -> hidden [T, hidden]."""
+        c = self.config
+        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        num_tokens = h.shape[0]
+        for i, layer in enumerate(self.layers):
+            residual = h
+            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) * D]
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_tokens, c.num_heads, c.head_dim)
+            k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
+            v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+            q, k = self.rope.apply(q, k, positions)
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+            h = residual + F.linear(o.reshape(num_tokens, self.q_size), layer.o_proj)
+            residual = h
+            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = residual + F.linear(F.silu(gate) * up, layer.down)
+        return h
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] (only the rows that are sampled) -> logits [N, V] in float32."""
+        x = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()

@@ -1,0 +1,114 @@
+"""The model runner: owns the KV cache tensor, turns a scheduled batch into tensors, runs the model.
+
+KV cache layout, one tensor for the whole pool:
+
+    kv_cache: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+
+Per layer, K and V are contiguous [num_blocks, block_size, Hkv, D] views (the attention hot path),
+and one block of every layer is a single gather along dim 2 (for copy-on-write now, tier copies
+later). Tensor-parallel ranks hold the same layout with their share of the KV heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.worker.attention import AttentionMetadata, PrefillChunk
+from kvstrata.worker.kv_cache_manager import BlockCopy
+from kvstrata.worker.model import LlamaModel
+from kvstrata.worker.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """What to run this step: requests in batch order (decodes first) and their new token counts."""
+
+    requests: list[Request]
+    num_new_tokens: list[int]
+    num_decodes: int
+    block_copies: list[BlockCopy]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+        c = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = model.device
+        self.kv_cache = torch.zeros(
+            (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim),
+            dtype=model.dtype,
+            device=model.device,
+        )
+
+    @staticmethod
+    def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+        c = model.config
+        return c.kv_bytes_per_token(torch.empty((), dtype=model.dtype).element_size()) * block_size
+
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([c.src for c in copies], device=self.device)
+        dst = torch.tensor([c.dst for c in copies], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def execute(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
+        """Run one step; returns float32 logits [len(sample_rows), V] for the given batch rows."""
+        self.copy_blocks(batch.block_copies)
+        input_ids, positions, meta, last_token_rows = self._prepare(batch)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        rows = last_token_rows[torch.tensor(sample_rows, dtype=torch.long)] if sample_rows else last_token_rows[:0]
+        return self.model.compute_logits(hidden[rows.to(self.device)])
+
+    def _prepare(self, batch: ScheduledBatch):
+        bs = self.block_size
+        reqs, counts = batch.requests, batch.num_new_tokens
+        starts = [r.num_computed_tokens for r in reqs]
+        tokens: list[int] = []
+        for r, s, n in zip(reqs, starts, counts):
+            tokens.extend(r.token_ids[s : s + n])
+        num_tokens = len(tokens)
+        counts_t = torch.tensor(counts, dtype=torch.long)
+        starts_t = torch.tensor(starts, dtype=torch.long)
+        ends = counts_t.cumsum(0)  # [R] exclusive end row of each request
+        req_of_token = torch.repeat_interleave(torch.arange(len(reqs)), counts_t)  # [T]
+        offset_in_req = torch.arange(num_tokens) - (ends - counts_t)[req_of_token]
+        positions = starts_t[req_of_token] + offset_in_req  # [T]
+
+        max_blocks = max(len(r.block_table) for r in reqs)
+        table = torch.zeros((len(reqs), max_blocks), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            table[i, : len(r.block_table)] = torch.tensor([b.block_id for b in r.block_table])
+        slot_mapping = table[req_of_token, positions // bs] * bs + positions % bs  # [T]
+
+        d = batch.num_decodes
+        decode_tables = decode_mask = None
+        if d:
+            seq_lens = starts_t[:d] + 1
+            width = int(((seq_lens.max() + bs - 1) // bs).item())
+            decode_tables = table[:d, :width]
+            decode_mask = (torch.arange(width * bs)[None, :] < seq_lens[:, None]).view(d, 1, 1, width * bs)
+        prefills = []
+        row = int(ends[d - 1]) if d else 0
+        for i in range(d, len(reqs)):
+            ctx = starts[i] + counts[i]
+            prefills.append(PrefillChunk(row, counts[i], ctx, table[i, : -(-ctx // bs)].to(self.device)))
+            row += counts[i]
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            num_decodes=d,
+            decode_block_tables=decode_tables.to(dev) if decode_tables is not None else None,
+            decode_mask=decode_mask.to(dev) if decode_mask is not None else None,
+            prefills=prefills,
+        )
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        return input_ids, positions.to(dev), meta, ends - 1

@@ -1,0 +1,88 @@
+"""Batched sampling: one set of tensor ops for every row, whatever mix of parameters the rows use.
+
+Random sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from p
+exactly. Rows with a seed draw E from their own generator, so a seeded request's samples do not
+depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.worker.request import Request
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None  # per row: {token_id: logprob}, sampled token included
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        """logits: [N, V] float32, one row per request."""
+        logits = logits.cpu()
+        params = [r.params for r in requests]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample_random(logits, requests)
+        token_list = tokens.tolist()
+        out_logprobs = None
+        if raw_logprobs is not None:
+            out_logprobs = [
+                _top_logprobs(raw_logprobs[i], token_list[i], p.logprobs) if p.logprobs is not None else {}
+                for i, p in enumerate(params)
+            ]
+        return SampleResult(token_list, out_logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        n, vocab = logits.shape
+        params = [r.params for r in requests]
+        greedy_rows = torch.tensor([p.greedy for p in params])
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
+        x = logits / temps[:, None]  # [N, V]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+        top_p = torch.tensor([p.top_p for p in params])
+        min_p = torch.tensor([p.min_p for p in params])
+        if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+            x = _apply_top_k_top_p(x, top_k, top_p)
+        probs = torch.softmax(x, dim=-1)
+        if bool((min_p > 0).any()):
+            max_p = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < min_p[:, None] * max_p, 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(requests):
+            if r.generator is not None and not params[i].greedy:
+                noise[i].exponential_(generator=r.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+
+
+def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
+    sorted_x, order = x.sort(dim=-1, descending=True)  # [N, V]
+    vocab = x.shape[-1]
+    ranks = torch.arange(vocab)[None, :]
+    remove = ranks >= top_k[:, None]
+    probs = torch.softmax(sorted_x.masked_fill(remove, float("-inf")), dim=-1)
+    # drop a token when the mass of tokens strictly before it already reaches top_p
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove |= mass_before >= top_p[:, None]
+    sorted_x = sorted_x.masked_fill(remove, float("-inf"))
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+
+
+def _top_logprobs(row: torch.Tensor, sampled: int, k: int) -> dict[int, float]:
+    out = {sampled: float(row[sampled])}
+    if k:
+        vals, ids = row.topk(k)
+        out.update(zip(ids.tolist(), vals.tolist()))
+    return out

@@ -1,0 +1,149 @@
+"""Continuous batching: every step, fill a token budget with running requests, then new ones.
+
+    step budget (max_num_batched_tokens)
+    [ running: decodes (1 token each) and unfinished prefill chunks | waiting: admitted FCFS ]
+                                                                      only if free blocks allow,
+                                                                      above a small watermark
+
+When a running request cannot get a block, the lowest-priority, latest-arrived running request is
+preempted by recompute: its blocks are freed and `num_computed_tokens` goes back to 0 (its prefix
+blocks usually come straight back from the prefix cache). No new request is admitted in a step that
+preempted, so a preempted request is never overtaken by a newer one of the same priority.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass, field
+
+from kvstrata.worker.kv_cache_manager import KVCacheManager
+from kvstrata.worker.model_runner import ScheduledBatch
+from kvstrata.worker.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+    long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk per step; 0 = budget
+
+
+@dataclass
+class SchedulerOutput:
+    batch: ScheduledBatch
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.batch.requests
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self._waiting: list[tuple[tuple[int, int, int], int, Request]] = []  # heap by sort key
+        self._num_waiting = 0
+        self.running: list[Request] = []  # kept sorted by sort_key
+        self._push_seq = 0
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self._push_seq += 1
+        heapq.heappush(self._waiting, (request.sort_key, self._push_seq, request))
+        self._num_waiting += 1
+
+    def add_running(self, request: Request) -> None:
+        """Insert an already-prepared request (a fork sharing its parent's blocks) as running."""
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=lambda r: r.sort_key)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Remove a request wherever it is and free its blocks (finish or abort)."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self._num_waiting -= 1  # its heap entry is skipped lazily
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+
+        while not preempted and budget and len(self.running) < self.config.max_num_seqs:
+            req = self._peek_waiting()
+            if req is None:
+                break
+            computed = self.kv.get_computed_blocks(req)
+            n = self._chunk(req.num_tokens - req.num_computed_tokens - computed.num_tokens, budget)
+            if not self.kv.allocate_slots(req, n, computed, watermark=True):
+                break
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = computed.num_tokens
+                self.kv.record_prefix_query(req.num_prompt_tokens, computed.num_tokens)
+            self.add_running(req)
+            scheduled.append((req, n))
+            budget -= n
+
+        # decodes (one query token) first: attention runs them as one padded batch
+        scheduled.sort(key=lambda rn: rn[1] != 1)
+        num_decodes = sum(1 for _, n in scheduled if n == 1)
+        batch = ScheduledBatch(
+            requests=[r for r, _ in scheduled],
+            num_new_tokens=[n for _, n in scheduled],
+            num_decodes=num_decodes,
+            block_copies=self.kv.drain_copies(),
+        )
+        return SchedulerOutput(batch, preempted)
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        cap = self.config.long_prefill_token_threshold or budget
+        return min(remaining, budget, cap)
+
+    def _peek_waiting(self) -> Request | None:
+        while self._waiting:
+            req = self._waiting[0][2]
+            if req.status is RequestStatus.WAITING:
+                return req
+            heapq.heappop(self._waiting)
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add_request(request)
