@@ -1,0 +1,65 @@
+"""Greedy output is token-identical to HF transformers on the same GGUF, single and batched."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstrata import SamplingParams
+from tests.conftest import hf_greedy
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a short poem about the sea."}],
+    [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Color of the sky?"}],
+    [{"role": "user", "content": "List three prime numbers and explain why they are prime."}],
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(llm):
+    return [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(c), add_special_tokens=False) for c in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_reference, prompt_ids):
+    return [hf_greedy(hf_reference, ids, MAX_TOKENS) for ids in prompt_ids]
+
+
+def _greedy(n=MAX_TOKENS):
+    return SamplingParams(temperature=0.0, max_tokens=n)
+
+
+def _trim_at_eos(ids: list[int], eos: int = 2) -> list[int]:
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+def test_single_prompts_match_hf(llm, prompt_ids, reference):
+    for ids, ref in zip(prompt_ids, reference):
+        out = llm.generate([ids], _greedy())[0]
+        assert out.outputs[0].token_ids == _trim_at_eos(ref)
+    llm.check_integrity()
+
+
+def test_batched_prompts_match_hf_and_single(llm, prompt_ids, reference):
+    outs = llm.generate(prompt_ids, _greedy())
+    assert [o.outputs[0].token_ids for o in outs] == [_trim_at_eos(r) for r in reference]
+    assert [o.prompt_token_ids for o in outs] == prompt_ids
+    llm.check_integrity()
+
+
+def test_chat_api_uses_the_template(llm, prompt_ids, reference):
+    outs = llm.chat(PROMPTS[:2], _greedy())
+    assert [o.prompt_token_ids for o in outs] == prompt_ids[:2]
+    assert outs[0].outputs[0].token_ids == _trim_at_eos(reference[0])
+    assert "Paris" in outs[0].outputs[0].text
+
+
+def test_chunked_prefill_matches_hf(prompt_ids, reference):
+    """A token budget smaller than the prompt splits prefill over several steps."""
+    from kvstrata import LLM
+
+    small = LLM("smollm2-135m", num_gpu_blocks=64, max_num_batched_tokens=7)
+    outs = small.generate(prompt_ids, _greedy())
+    assert [o.outputs[0].token_ids for o in outs] == [_trim_at_eos(r) for r in reference]
+    small.check_integrity()
