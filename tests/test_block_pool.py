@@ -161,19 +161,22 @@ def test_cache_requires_an_in_use_block():
 # -- leaf-first LRU eviction ---------------------------------------------------------------------
 
 
-def build_tree(pool: BlockPool) -> dict[str, KVBlock]:
-    """Cache A->B->C and a branch A->D in blocks 0,1,2,3; all still in use.
+def build_tree(pool: BlockPool) -> tuple[dict[str, KVBlock], dict[str, list[KVBlock]]]:
+    """Two requests' chains, A->B->C and A->D, cached in blocks 0,1,2,3 and still in use.
 
-        A(0) ── B(1) ── C(2)
-          └──── D(3)
+        A(0) ── B(1) ── C(2)        request "ABC" holds A B C
+          └──── D(3)                request "AD"  holds A D   (a prefix hit on A: ref 2)
+
+    As in the manager, whoever holds a cached block holds its whole chain.
     """
     a, b, c, d = pool.allocate(4)
     pool.cache(a, h("A"), None)
     pool.cache(b, h("AB"), a)
     pool.cache(c, h("ABC"), b)
     pool.cache(d, h("AD"), a)
+    pool.touch([a])
     pool.check_integrity()
-    return {"A": a, "B": b, "C": c, "D": d}
+    return {"A": a, "B": b, "C": c, "D": d}, {"ABC": [a, b, c], "AD": [a, d]}
 
 
 def evict_through_allocate(pool: BlockPool, n: int) -> list[int]:
@@ -189,25 +192,23 @@ def evict_through_allocate(pool: BlockPool, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "free_order, expected",
+    "releases, expected",
     [
-        # C, B, A released together (tail first), then D: C B are the oldest chain, A waits for D
-        (["CBA", "D"], [2, 1, 3, 0]),
-        # D first: D is the LRU leaf, then C, then B; A is last because it is never a leaf earlier
-        (["D", "CBA"], [3, 2, 1, 0]),
-        # head first: pure LRU would evict A first; leaf-first evicts C, then B, then D, then A
-        (["ABC", "D"], [2, 1, 3, 0]),
-        # A released first is evicted last; D, the oldest leaf, goes first
-        (["A", "D", "C", "B"], [3, 2, 1, 0]),
-        # interleaved: D released between C and B
-        (["C", "D", "BA"], [2, 3, 1, 0]),
+        # tail first, ABC before AD: C B are the oldest, A waits for its child D
+        ([["C", "B", "A"], ["D", "A"]], [2, 1, 3, 0]),
+        # AD first: D is the LRU leaf; A is never a leaf before B is gone
+        ([["D", "A"], ["C", "B", "A"]], [3, 2, 1, 0]),
+        # head first: B has the oldest access, but C (its child) is the leaf and goes first
+        ([["A", "B", "C"], ["A", "D"]], [2, 1, 3, 0]),
+        # head first, AD first: A is older than B and C, yet is evicted last
+        ([["A", "D"], ["A", "B", "C"]], [3, 2, 1, 0]),
     ],
 )
-def test_eviction_is_lru_among_leaves(free_order, expected):
+def test_eviction_is_lru_among_leaves(releases, expected):
     pool = BlockPool(6)
-    tree = build_tree(pool)
-    for group in free_order:
-        pool.free([tree[name] for name in group])
+    tree, _ = build_tree(pool)
+    for names in releases:
+        pool.free([tree[name] for name in names])
         pool.check_integrity()
     assert pool.prefix_cache.eviction_order() == expected
     assert pool.num_free_blocks == 6 and pool.num_cached_unused == 4
@@ -224,24 +225,37 @@ def test_eviction_is_lru_among_leaves(free_order, expected):
 
 def test_parent_is_not_evicted_while_a_cached_child_remains():
     pool = BlockPool(4)
-    tree = build_tree(pool)
-    # A is released first (oldest), its children later
-    pool.free([tree["A"]])
-    pool.free([tree["D"]])
-    pool.free([tree["B"]])
-    # C is still in use: B and A have a cached descendant and are not leaves
+    tree, chains = build_tree(pool)
+    a, b, c, d = (tree[n] for n in "ABCD")
+    pool.free(chains["ABC"])  # head first: A stays held by AD, B gets an older tick than C
+    assert pool.prefix_cache.eviction_order() == [2, 1]  # A is held by AD; B only after C
+    pool.free(chains["AD"])
+    assert b.last_access < c.last_access and a.last_access < d.last_access
+    # LRU alone would pick B, then A; leaf first takes C, then B, then D before A
+    assert evict_through_allocate(pool, 4) == [2, 1, 3, 0]
+    pool.check_integrity()
+
+
+def test_held_chain_is_never_evicted():
+    pool = BlockPool(4)
+    tree, chains = build_tree(pool)
+    pool.free(chains["AD"][::-1])
+    # only D is unreferenced; A is still held by the ABC request
     assert pool.prefix_cache.eviction_order() == [3]
+    assert pool.num_free_blocks == 1
     assert evict_through_allocate(pool, 1) == [3]
-    # A is now unreferenced and past its branch D, but C (in use) still hangs under B under A
-    assert pool.prefix_cache.eviction_order() == []
-    assert h("A") in pool.prefix_cache and h("AB") in pool.prefix_cache
+    assert not pool.can_allocate(1)
+    with pytest.raises(MemoryError):
+        pool.allocate(1)
+    assert ids(pool.get_cached([h("A"), h("AB"), h("ABC")])) == [0, 1, 2]
     pool.check_integrity()
 
 
 def test_touch_refreshes_recency():
     pool = BlockPool(4)
-    tree = build_tree(pool)
-    pool.free([tree["C"], tree["B"], tree["D"], tree["A"]])
+    tree, chains = build_tree(pool)
+    pool.free(chains["ABC"][::-1])
+    pool.free(chains["AD"][::-1])
     assert pool.prefix_cache.eviction_order() == [2, 1, 3, 0]
     # a prefix hit on A->D makes that branch the most recent
     hit = pool.get_cached([h("A"), h("AD")])
@@ -276,9 +290,9 @@ def test_stale_heap_entries_do_not_change_the_order():
 
 def test_evict_moves_lru_leaves_to_the_free_list():
     pool = BlockPool(6)
-    tree = build_tree(pool)
-    pool.free([tree["C"], tree["B"], tree["A"]])
-    pool.free([tree["D"]])
+    tree, chains = build_tree(pool)
+    pool.free(chains["ABC"][::-1])
+    pool.free(chains["AD"][::-1])
     assert pool.evict(0) == 0
     assert pool.evict(2) == 2
     assert list(pool.free_ids) == [4, 5, 2, 1]
@@ -295,14 +309,14 @@ def test_evict_moves_lru_leaves_to_the_free_list():
 
 def test_reset_prefix_cache_drops_only_unused_blocks():
     pool = BlockPool(6)
-    tree = build_tree(pool)
-    pool.free([tree["D"]])
+    tree, chains = build_tree(pool)
+    pool.free(chains["AD"][::-1])
     assert pool.reset_prefix_cache() == 1
     assert list(pool.free_ids) == [4, 5, 3]
     # the in-use chain A->B->C stays cached and matchable
     assert ids(pool.get_cached([h("A"), h("AB"), h("ABC")])) == [0, 1, 2]
     pool.check_integrity()
-    pool.free([tree["C"], tree["B"], tree["A"]])
+    pool.free(chains["ABC"][::-1])
     assert pool.reset_prefix_cache() == 3
     assert list(pool.free_ids) == [4, 5, 3, 2, 1, 0]
     assert len(pool.prefix_cache) == 0 and pool.num_evictions == 4
@@ -374,4 +388,17 @@ def test_check_integrity_catches_broken_prefix_tree():
     pool.check_integrity()
     b.block_hash = h("other")
     with pytest.raises(AssertionError, match="hash map disagrees"):
+        pool.check_integrity()
+
+
+def test_check_integrity_catches_unheld_cached_parent():
+    # a cached block in use under an unreferenced cached parent: the parent counts as free but
+    # can never be evicted, so can_allocate() would over-promise
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    pool.cache(a, h("A"), None)
+    pool.cache(b, h("AB"), a)
+    pool.check_integrity()
+    pool.free([a])
+    with pytest.raises(AssertionError, match="cached parent"):
         pool.check_integrity()

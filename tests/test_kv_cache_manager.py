@@ -246,7 +246,7 @@ def test_hit_on_unreferenced_cached_blocks():
     m.check_integrity([b])
 
 
-def test_concurrent_prefill_of_same_prompt_keeps_private_duplicates():
+def test_concurrent_prefill_of_same_prompt_shares_the_first_cached_blocks():
     m = KVCacheManager(8, 4, watermark=0)
     a = make_request("a", range(9))
     b = make_request("b", range(9))
@@ -259,10 +259,13 @@ def test_concurrent_prefill_of_same_prompt_keeps_private_duplicates():
         r.num_computed_tokens = r.num_tokens
         m.cache_full_blocks(r)
     assert ids(m.pool.prefix_cache.hash_to_block.values()) == [0, 1]
-    assert not any(b_.is_cached for b_ in b.block_table)
+    # b's full blocks were duplicates of a's: b now shares a's and its copies are free again
+    assert ids(b.block_table) == [0, 1, 5]
+    assert list(m.pool.free_ids) == [6, 7, 3, 4]
+    assert refs(m) == [2, 2, 1, 0, 0, 1, 0, 0]
     m.check_integrity([a, b])
     m.free(b)
-    assert list(m.pool.free_ids) == [6, 7, 5, 4, 3]  # private duplicates go straight back
+    assert list(m.pool.free_ids) == [6, 7, 3, 4, 5]
     m.free(a)
     assert m.pool.prefix_cache.eviction_order() == [1, 0]
     m.check_integrity([])
@@ -369,6 +372,16 @@ def test_free_releases_tail_first_so_tail_is_evicted_first():
     m.check_integrity([b])
 
 
+def test_free_returns_uncached_blocks_tail_first():
+    m = KVCacheManager(4, 4, enable_prefix_caching=False, watermark=0)
+    a = make_request("a", range(12))
+    prefill(m, a)
+    assert ids(a.block_table) == [0, 1, 2]
+    m.free(a)
+    assert list(m.pool.free_ids) == [3, 2, 1, 0]
+    m.check_integrity([a])
+
+
 def test_free_partial_tail_goes_to_free_list():
     m = KVCacheManager(4, 4, watermark=0)
     a = make_request("a", range(10))
@@ -407,51 +420,72 @@ def test_check_integrity_catches_mismatched_ref_count():
         m.check_integrity([a, b])
 
 
-# -- BUG: a block cached under another request's twin ---------------------------------------------
+# -- regression: a block cached under another request's twin ------------------------------------
 #
-# KVCacheManager.cache_full_blocks links a request's next full block under
-# `hash_to_block[block_hashes[first - 1]]`, the *cached twin* of its previous block, even when the
-# request itself holds a private duplicate of that block (cache() returned an existing block). Once
-# the twin's owner finishes, the twin has ref_count 0 but an in-use cached child: the pool counts it
-# in num_cached_unused / num_free_blocks, yet it can never be evicted. can_allocate() then lies,
-# allocate_slots() returns past its check and crashes in BlockPool._evict_one ("num_cached_unused >
-# 0 but no evictable leaf") with blocks already taken, and evict()/reset_prefix_cache() crash too.
-# The common trigger: a block-aligned prompt that is fully cached recomputes its last block (a
-# private duplicate), then decodes past the next block boundary.
+# cache_full_blocks used to link a request's next full block under the *cached twin* of its
+# previous block (`hash_to_block[block_hashes[first - 1]]`) while the request itself held a private
+# duplicate. Once the twin's owner finished (or, after a preemption, the request's own earlier
+# blocks were released), the twin had ref_count 0 but an in-use cached child: counted in
+# num_free_blocks, never evictable. can_allocate() over-promised, allocate_slots() crashed in
+# BlockPool._evict_one ("num_cached_unused > 0 but no evictable leaf") after taking blocks, and
+# reset_prefix_cache() crashed. Trigger: a block-aligned prompt that is fully cached recomputes its
+# last block, then decodes past the next block boundary. Found by test_kv_cache_stateful; the fix
+# swaps the duplicate for the cached block.
 
 
-def _twin_parent_state() -> tuple[KVCacheManager, Request]:
+def _twin_state_two_requests() -> tuple[KVCacheManager, Request]:
     m = KVCacheManager(6, 4, watermark=0)
     a = make_request("a", [1] * 4 + [2] * 4)
     prefill(m, a)
     assert ids(a.block_table) == [0, 1]
     b = make_request("b", [1] * 4 + [2] * 4)
-    assert prefill(m, b) == 4  # block 0 hits; block 1 is recomputed into private block 2
-    assert ids(b.block_table) == [0, 2]
-    for t in (3, 3, 3, 3):  # b fills block 3 and caches it
+    assert prefill(m, b) == 4  # block 0 hits; block 1 is recomputed into block 2, a duplicate
+    assert ids(b.block_table) == [0, 1]  # ... which is dropped for the cached block 1
+    assert list(m.pool.free_ids) == [3, 4, 5, 2]
+    for t in (3, 3, 3, 3):  # b fills and caches a third block
         assert decode(m, b, t)
-    assert ids(b.block_table) == [0, 2, 3]
+    assert ids(b.block_table) == [0, 1, 3]
     m.free(a)
-    m.check_integrity([b])  # the existing checks do not notice
+    m.check_integrity([b])
     return m, b
 
 
-def test_bug_num_free_blocks_can_all_be_allocated_after_twin_parent():
-    m, b = _twin_parent_state()
-    n = m.num_free_blocks
-    c = make_request("c", range(100, 100 + 4 * n))
-    try:
-        ok = m.allocate_slots(c, c.num_tokens)
-    except AssertionError as e:
-        pytest.fail(f"BUG: num_free_blocks={n} but allocating {n} blocks crashed: {e}")
-    assert ok and len(c.block_table) == n
+def _twin_state_preemption() -> tuple[KVCacheManager, Request]:
+    m = KVCacheManager(6, 4, watermark=0)
+    b = make_request("b", [1] * 4 + [2] * 4)
+    prefill(m, b)
+    m.free(b)  # preempted: blocks 0 and 1 stay cached, unreferenced
+    b.num_computed_tokens = 0
+    assert prefill(m, b) == 4
+    assert ids(b.block_table) == [0, 1]
+    assert list(m.pool.free_ids) == [3, 4, 5, 2]
+    for t in (3, 3, 3, 3):
+        assert decode(m, b, t)
+    assert ids(b.block_table) == [0, 1, 3]
+    m.check_integrity([b])
+    return m, b
+
+
+TWIN_STATES = [_twin_state_two_requests, _twin_state_preemption]
+
+
+@pytest.mark.parametrize("setup", TWIN_STATES)
+def test_regression_all_free_blocks_can_be_allocated(setup):
+    m, b = setup()
+    assert m.num_free_blocks == 3
+    c = make_request("c", range(100, 112))
+    assert m.allocate_slots(c, c.num_tokens)
+    assert ids(c.block_table) == [4, 5, 2]
+    assert m.num_free_blocks == 0 and not m.pool.can_allocate(1)
     m.check_integrity([b, c])
 
 
-def test_bug_reset_prefix_cache_after_twin_parent():
-    m, b = _twin_parent_state()
-    try:
-        m.pool.reset_prefix_cache()
-    except AssertionError as e:
-        pytest.fail(f"BUG: reset_prefix_cache crashed: {e}")
-    m.check_integrity([b])
+@pytest.mark.parametrize("setup", TWIN_STATES)
+def test_regression_reset_prefix_cache_after_duplicate(setup):
+    m, b = setup()
+    assert m.pool.reset_prefix_cache() == 0  # everything cached is held by b
+    assert ids(m.pool.get_cached(b.block_hashes)) == [0, 1, 3]
+    m.free(b)
+    assert m.pool.prefix_cache.eviction_order() == [3, 1, 0]
+    assert m.pool.reset_prefix_cache() == 3
+    m.check_integrity([])

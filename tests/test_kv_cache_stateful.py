@@ -1,18 +1,21 @@
 """A stateful model test of KVCacheManager: random schedules of add, prefill, decode, fork, finish,
 preempt and evict over a tiny pool, with a small token alphabet so that prefixes collide and are
-shared. The model keeps its own record of which tokens each block holds (`shadow`), written when a
-request computes into a block and carried over on every BlockCopy, so a prefix hit or a missing
-copy-on-write that hands a request the wrong tokens is caught, not only a miscount.
+shared. The model keeps its own record of which tokens each block holds, and under which tenant
+salt they were written (`shadow`), updated when a request computes into a block and carried over on
+every BlockCopy, so a prefix hit or a missing copy-on-write that hands a request the wrong tokens
+(or another tenant's) is caught, not only a miscount.
 """
 
 from __future__ import annotations
+
+import itertools
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstrata.worker.block_hash import HashContext, hash_block
-from kvstrata.worker.kv_cache_manager import KVCacheManager
+from kvstrata.worker.kv_cache_manager import NO_COMPUTED_BLOCKS, KVCacheManager
 from kvstrata.worker.request import Request
 from kvstrata.worker.sampling_params import SamplingParams
 
@@ -28,19 +31,23 @@ PREFIXES = [
     [2, 2, 2, 2],
     [1, 2],
 ]
+SUFFIXES = st.one_of(st.just([]), st.lists(st.integers(1, 3), max_size=6))  # often block-aligned
 PARAMS = SamplingParams(max_tokens=64)
 
 
 class KVCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.m = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, watermark=0)
+        self.m = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, watermark=0.125)  # admission keeps 2 blocks
         self.waiting: list[Request] = []  # no blocks, num_computed_tokens == 0
         self.running: list[Request] = []  # holding blocks, maybe mid-prefill
         self.shadow: dict[int, tuple[int, ...]] = {}  # block id -> tokens written into it
+        self.shadow_tenant: dict[int, str] = {}  # block id -> cache salt of whoever wrote it
+        self.tenant: dict[str, str] = {}  # request id -> cache salt
         self.family: dict[str, int] = {}  # forks share a family; only they may share uncached blocks
+        self._family_ids = itertools.count()
         self.num_requests = 0
-        self.history: list[tuple[tuple[int, ...], bytes]] = []  # earlier prompts and finished sequences
+        self.history: list[tuple[tuple[int, ...], str]] = []  # earlier prompts and sequences, and salts
 
     # -- helpers ---------------------------------------------------------------------------------
     def _live(self) -> list[Request]:
@@ -59,6 +66,13 @@ class KVCacheMachine(RuleBasedStateMachine):
             list(self.m.pending_copies),
         )
 
+    def _add(self, tokens: list[int], salt: str) -> None:
+        self.num_requests += 1
+        r = Request(f"r{self.num_requests}", tokens, PARAMS, hash_root=SALT_TO_ROOT[salt])
+        self.tenant[r.request_id] = salt
+        self.history.append((tuple(tokens), salt))
+        self.waiting.append(r)
+
     @staticmethod
     def _pick(data, requests: list[Request]) -> Request:
         # draw an index, not the Request, so a failing example prints short
@@ -67,6 +81,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _apply_copies(self) -> None:
         for copy in self.m.drain_copies():
             self.shadow[copy.dst] = self.shadow[copy.src]
+            self.shadow_tenant[copy.dst] = self.shadow_tenant[copy.src]
 
     def _write(self, r: Request, num_new: int) -> None:
         """Record that r computes tokens [num_computed, num_computed + num_new) into its blocks."""
@@ -79,13 +94,14 @@ class KVCacheMachine(RuleBasedStateMachine):
                 f"{r.request_id} writes token {pos} into block {block_id}, which holds {held}"
             )
             self.shadow[block_id] = held + (r.token_ids[pos],)
+            if not off:
+                self.shadow_tenant[block_id] = self.tenant[r.request_id]
         r.num_computed_tokens += num_new
 
-    def _compute(self, r: Request, num_new: int, computed=None) -> bool:
+    def _compute(self, r: Request, num_new: int, computed=NO_COMPUTED_BLOCKS, watermark=False) -> bool:
         """allocate_slots, and on success compute the tokens and cache full blocks; all or nothing."""
         before = self._snapshot()
-        ok = (self.m.allocate_slots(r, num_new) if computed is None
-              else self.m.allocate_slots(r, num_new, computed))
+        ok = self.m.allocate_slots(r, num_new, computed, watermark=watermark)
         if not ok:
             assert self._snapshot() == before, "a failed allocate_slots changed state"
             return False
@@ -96,21 +112,16 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     # -- rules -----------------------------------------------------------------------------------
     @precondition(lambda self: len(self._live()) < MAX_LIVE)
-    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.one_of(st.just([]), st.lists(st.integers(1, 3), max_size=6)),
-          salt=st.sampled_from(sorted(SALT_TO_ROOT)))
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=SUFFIXES, salt=st.sampled_from(sorted(SALT_TO_ROOT)))
     def add_request(self, prefix, suffix, salt):
-        self.num_requests += 1
-        r = Request(f"r{self.num_requests}", prefix + suffix, PARAMS, hash_root=SALT_TO_ROOT[salt])
-        self.history.append((tuple(r.token_ids), r.hash_root))
-        self.waiting.append(r)
+        self._add(prefix + suffix, salt)
 
     @precondition(lambda self: len(self._live()) < MAX_LIVE and self.history)
-    @rule(data=st.data(), suffix=st.one_of(st.just([]), st.lists(st.integers(1, 3), max_size=6)))
+    @rule(data=st.data(), suffix=SUFFIXES)
     def add_follow_up(self, data, suffix):
         """A next turn: an earlier request's tokens (prompt and output) plus a few more."""
-        tokens, root = self.history[data.draw(st.integers(0, len(self.history) - 1), label="turn")]
-        self.num_requests += 1
-        self.waiting.append(Request(f"r{self.num_requests}", list(tokens) + suffix, PARAMS, hash_root=root))
+        tokens, salt = self.history[data.draw(st.integers(0, len(self.history) - 1), label="turn")]
+        self._add(list(tokens) + suffix, salt)
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data(), chunk=st.integers(1, 16))
@@ -127,10 +138,10 @@ class KVCacheMachine(RuleBasedStateMachine):
             )
         num_new = min(chunk, r.num_tokens - computed.num_tokens)
         assert num_new >= 1
-        if self._compute(r, num_new, computed):
+        if self._compute(r, num_new, computed, watermark=True):  # admission honours the watermark
             self.waiting.remove(r)
             self.running.append(r)
-            self.family[r.request_id] = self.num_requests + len(self.family)
+            self.family[r.request_id] = next(self._family_ids)
 
     @precondition(lambda self: any(r.num_computed_tokens < r.num_tokens for r in self.running))
     @rule(data=st.data(), chunk=st.integers(1, 16))
@@ -160,6 +171,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.m.fork(parent, child)
         self.running.append(child)
         self.family[child.request_id] = self.family[parent.request_id]
+        self.tenant[child.request_id] = self.tenant[parent.request_id]
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -167,7 +179,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         r = self._pick(data, self.running)
         self.m.free(r)
         self.running.remove(r)
-        self.history.append((tuple(r.token_ids), r.hash_root))
+        self.history.append((tuple(r.token_ids), self.tenant[r.request_id]))
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -255,6 +267,9 @@ class KVCacheMachine(RuleBasedStateMachine):
                     f"{r.request_id} block {i} (id {b.block_id}) holds "
                     f"{self.shadow.get(b.block_id)}, expected {expected}"
                 )
+                assert self.shadow_tenant[b.block_id] == self.tenant[r.request_id], (
+                    f"{r.request_id} holds block {b.block_id}, written under another tenant's salt"
+                )
                 if b.is_cached:
                     assert b.block_hash == r.block_hashes[i]
 
@@ -270,7 +285,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 
 KVCacheMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=250,
     stateful_step_count=40,
     deadline=None,
     # no Phase.explain: it reruns a failure many times over and can take a minute

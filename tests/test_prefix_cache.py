@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from kvstrata.worker.block_hash import HASH_SPEC_VERSION, HashContext, hash_block, hash_blocks
@@ -40,7 +41,8 @@ def test_golden_digests():
 
 
 def test_root_follows_the_documented_layout():
-    """root = sha256("kvstrata-block" | version | len-prefixed extra keys), h[i] = sha256(h[i-1] | int64 tokens)."""
+    """root = sha256("kvstrata-block" | version | length-prefixed extra keys),
+    h[i] = sha256(h[i-1] | tokens as little-endian int64)."""
     ref = hashlib.sha256(b"kvstrata-block")
     ref.update(HASH_SPEC_VERSION.to_bytes(4, "little"))
     for part in (b"m", b"", b"", b"auto"):
@@ -71,8 +73,6 @@ def test_hashing_is_deterministic_and_input_type_independent():
     root = HashContext("m").root()
     a = hash_blocks(root, TOKENS, 4)
     assert hash_blocks(root, list(TOKENS), 4) == a
-    import numpy as np
-
     assert hash_block(root, np.array(TOKENS[:4], dtype=np.int32)) == a[0]
     assert hash_block(root, TOKENS[:4]) == a[0]
 
@@ -90,7 +90,9 @@ def test_chain_property():
     assert changed[:2] == base[:2]
     assert changed[2] != base[2] and changed[3] != base[3]
     # the same tokens in block 1 after a different block 0 hash differently (position matters)
-    assert hash_blocks(root, [7, 7, 7, 7, 1, 2, 3, 4], 4)[1] != hash_blocks(root, [8, 8, 8, 8, 1, 2, 3, 4], 4)[1]
+    after_7 = hash_blocks(root, [7, 7, 7, 7, 1, 2, 3, 4], 4)[1]
+    after_8 = hash_blocks(root, [8, 8, 8, 8, 1, 2, 3, 4], 4)[1]
+    assert after_7 != after_8
 
 
 def test_extra_keys_separate_chains():

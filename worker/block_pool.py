@@ -139,6 +139,11 @@ class BlockPool:
                 num_cached += 1
             else:
                 num_used += 1
+                # whoever holds a cached block holds its whole chain, so every cached block with
+                # ref 0 has only ref-0 descendants and stays evictable (leaf first)
+                assert not b.is_cached or b.parent is None or b.parent.ref_count > 0, (
+                    f"block {b.block_id}: in use, but its cached parent {b.parent.block_id} is not"
+                )
         assert num_cached == self.num_cached_unused, (
             f"cached-unused count {self.num_cached_unused} != actual {num_cached}"
         )

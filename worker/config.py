@@ -88,6 +88,12 @@ class ModelConfig:
         family = SUPPORTED_ARCHITECTURES[arch]
         num_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
+        # transformers >= 5 writes RoPE settings only under rope_parameters
+        rope = dict(d.get("rope_parameters") or {})
+        rope_theta = float(d.get("rope_theta", rope.pop("rope_theta", 10000.0)))
+        rope_scaling = d.get("rope_scaling")
+        if rope_scaling is None and rope.get("rope_type", "default") != "default":
+            rope_scaling = rope
         eos = d.get("eos_token_id")
         if eos is None:
             eos_ids: tuple[int, ...] = ()
@@ -104,8 +110,8 @@ class ModelConfig:
             num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
             head_dim=int(d.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
-            rope_scaling=d.get("rope_scaling"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", family == "qwen2")),

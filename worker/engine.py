@@ -188,16 +188,16 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
+        if req.detokenizer is not None:
+            delta = req.detokenizer.step(req.output_token_ids)
+            if delta and self._truncate_at_stop(req, len(delta)):
+                return FinishReason.STOP
         if token in self.eos_token_ids and not p.ignore_eos:
             req.stop_reason = None
             return FinishReason.STOP
         if token in p.stop_token_ids:
             req.stop_reason = token
             return FinishReason.STOP
-        if req.detokenizer is not None:
-            delta = req.detokenizer.step(req.output_token_ids)
-            if delta and self._truncate_at_stop(req, len(delta)):
-                return FinishReason.STOP
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.scheduler_config.max_model_len:
             return FinishReason.LENGTH
         return None
@@ -222,7 +222,9 @@ class LLMEngine:
         first = group.samples[0]
         outputs = []
         for s in group.samples:
-            text = s.detokenizer.text if s.detokenizer is not None else self.tokenizer.decode(s.output_token_ids)
+            # only a stop string truncates; otherwise the whole output decodes at once
+            stopped_by_string = s.detokenizer is not None and isinstance(s.stop_reason, str)
+            text = s.detokenizer.text if stopped_by_string else self.tokenizer.decode(s.output_token_ids)
             outputs.append(CompletionOutput(
                 index=s.sample_index, token_ids=s.output_token_ids, text=text,
                 finish_reason=s.finish_reason.value if s.finish_reason else None,

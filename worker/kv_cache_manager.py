@@ -122,15 +122,18 @@ class KVCacheManager:
             return
         request.update_block_hashes(self.block_size)
         first = request.num_registered_blocks
-        parent = None
-        if first:
-            parent = self.pool.prefix_cache.hash_to_block.get(request.block_hashes[first - 1])
-            if parent is None:
-                # The cached twin of our previous block was evicted while we held a private
-                # duplicate: re-offer the chain from the start so it stays rooted.
-                first = 0
+        # a request always holds its chain, so the cached parent is our own previous block
+        parent = request.block_table[first - 1] if first else None
         for i in range(first, num_full):
-            cached = self.pool.cache(request.block_table[i], request.block_hashes[i], parent)
+            block = request.block_table[i]
+            cached = self.pool.cache(block, request.block_hashes[i], parent)
+            if cached is not block:
+                # Another request cached the same tokens first. Share its block and drop our
+                # duplicate: a cached block's parent must stay held by whoever holds the child,
+                # or an unreferenced parent with an in-use child could never be evicted.
+                self.pool.touch([cached])
+                self.pool.free([block])
+                request.block_table[i] = cached
             parent = cached
         request.num_registered_blocks = num_full
 
