@@ -7,29 +7,13 @@ import json
 import sys
 from pathlib import Path
 
+from kvstrata.cluster.argtypes import integer, non_negative_float
 from kvstrata.cluster.size_cmd import add_size_parser
 from kvstrata.worker.model_source import DEFAULT_MODEL
 
 
 class CliError(Exception):
     """A user error: printed as one line, exit status 2."""
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
 def add_generate_parser(sub) -> None:
@@ -40,16 +24,16 @@ def add_generate_parser(sub) -> None:
     src.add_argument("--prompt", help="one prompt")
     src.add_argument("--prompt-file", type=Path, help="a file with one prompt per line")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    p.add_argument("--max-tokens", type=_int, default=64, help="tokens to generate per prompt (default 64)")
-    p.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=_non_negative_float, default=1.0)
-    p.add_argument("--top-k", type=_int, default=0)
-    p.add_argument("--seed", type=_int, default=None, help="per-request seed for reproducible sampling")
+    p.add_argument("--max-tokens", type=integer, default=64, help="tokens to generate per prompt (default 64)")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=non_negative_float, default=1.0)
+    p.add_argument("--top-k", type=integer, default=0)
+    p.add_argument("--seed", type=integer, default=None, help="per-request seed for reproducible sampling")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--block-size", type=_int, default=16)
-    p.add_argument("--num-gpu-blocks", type=_int, default=None, help="cap the KV pool at this many blocks")
-    p.add_argument("--max-model-len", type=_int, default=None)
+    p.add_argument("--block-size", type=integer, default=16)
+    p.add_argument("--num-gpu-blocks", type=integer, default=None, help="cap the KV pool at this many blocks")
+    p.add_argument("--max-model-len", type=integer, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt, one per line")
     p.set_defaults(func=run_generate)
 

@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any
 
+from kvstrata.cluster.argtypes import non_negative_float, positive_int
 from kvstrata.cluster.sizing import (
     GIB,
     KV_DTYPES,
@@ -36,26 +37,6 @@ float16 scale per group of 32 values within a head vector (ceil(head_dim / 32) g
 KV budget per GPU = GPU memory - weights / tp - (overhead-frac * GPU memory + overhead-gib)."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def configure_size_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `size`, shared by the `kvstrata size` subcommand and `python -m`."""
     parser.add_argument(
@@ -63,25 +44,25 @@ def configure_size_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MODEL,
         help=f"alias, HF model directory, .gguf file or config.json (default: {DEFAULT_MODEL})",
     )
-    parser.add_argument("--gpu-mem-gib", type=_non_negative_float, default=80.0,
+    parser.add_argument("--gpu-mem-gib", type=non_negative_float, default=80.0,
                         help="memory of one GPU in GiB (default: 80)")
-    parser.add_argument("--tp", type=_positive_int, default=1,
+    parser.add_argument("--tp", type=positive_int, default=1,
                         help="tensor-parallel ranks per replica (default: 1)")
-    parser.add_argument("--gpus", type=_positive_int, default=None,
+    parser.add_argument("--gpus", type=positive_int, default=None,
                         help="GPUs in total, a multiple of --tp; replicas = gpus / tp (default: tp)")
-    parser.add_argument("--max-seq-len", type=_positive_int, default=None,
+    parser.add_argument("--max-seq-len", type=positive_int, default=None,
                         help="longest sequence, prompt + output (default: the model's context length)")
-    parser.add_argument("--mean-seq-len", type=_positive_int, default=None,
+    parser.add_argument("--mean-seq-len", type=positive_int, default=None,
                         help="mean sequence length for paged sizing (default: max-seq-len / 4)")
-    parser.add_argument("--block-size", type=_positive_int, default=16,
+    parser.add_argument("--block-size", type=positive_int, default=16,
                         help="tokens per KV block (default: 16)")
     parser.add_argument("--kv-dtype", choices=["auto", *KV_DTYPES], default="auto",
                         help="KV cache storage type; auto = model dtype (default: auto)")
     parser.add_argument("--model-dtype", choices=["auto", *WEIGHT_BYTES_PER_PARAM], default="auto",
                         help="weight dtype; auto = the config's torch_dtype (default: auto)")
-    parser.add_argument("--overhead-frac", type=_non_negative_float, default=0.10,
+    parser.add_argument("--overhead-frac", type=non_negative_float, default=0.10,
                         help="fraction of GPU memory kept for activations and runtime (default: 0.10)")
-    parser.add_argument("--overhead-gib", type=_non_negative_float, default=1.0,
+    parser.add_argument("--overhead-gib", type=non_negative_float, default=1.0,
                         help="fixed GiB kept per GPU on top of --overhead-frac (default: 1.0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
