@@ -153,3 +153,19 @@ def test_kv_utilization_is_high_while_running(llm):
     while engine.has_unfinished_requests():
         engine.step()
     llm.check_integrity()
+
+
+def test_requests_arriving_together_share_a_prefix_being_computed(llm):
+    """A request whose prefix another request is prefilling in the same step waits one step and hits."""
+    llm.reset_prefix_cache()
+    _, a, _ = _shared_prefix_prompts(llm)
+    prompts = [a + llm.tokenizer.encode(f" Variant {i}.") for i in range(6)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached[0] == 0
+    assert all(c >= (len(a) // 16) * 16 for c in cached[1:]), cached
+    # the deferral changes when a request runs, never what it produces
+    llm.reset_prefix_cache()
+    alone = llm.generate([prompts[3]], SamplingParams(temperature=0.0, max_tokens=4))[0]
+    assert alone.outputs[0].token_ids == outs[3].outputs[0].token_ids
+    llm.check_integrity()

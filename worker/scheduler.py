@@ -100,11 +100,24 @@ class Scheduler:
                 scheduled.append((req, n))
                 budget -= n
 
+        # Block hashes that prefills in this step will compute. A waiting request whose next
+        # uncached block is among them waits one step and then hits the cache instead of
+        # computing the same prefix a second time (groups of requests sharing a system prompt).
+        inflight: set[bytes] = set()
+        for req, n in scheduled:
+            if n > 1:
+                inflight.update(self._hashes_computed(req, n))
+        deferred: list[tuple[tuple[int, int, int], int, Request]] = []
         while not preempted and budget and len(self.running) < self.config.max_num_seqs:
             req = self._peek_waiting()
             if req is None:
                 break
             computed = self.kv.get_computed_blocks(req)
+            first_uncached = len(computed.blocks)
+            if (req.num_computed_tokens == 0 and first_uncached < len(req.block_hashes)
+                    and req.block_hashes[first_uncached] in inflight):
+                deferred.append(heapq.heappop(self._waiting))
+                continue
             n = self._chunk(req.num_tokens - req.num_computed_tokens - computed.num_tokens, budget)
             if not self.kv.allocate_slots(req, n, computed, watermark=True):
                 break
@@ -116,6 +129,9 @@ class Scheduler:
             self.add_running(req)
             scheduled.append((req, n))
             budget -= n
+            inflight.update(self._hashes_computed(req, n))
+        for entry in deferred:
+            heapq.heappush(self._waiting, entry)
 
         # decodes (one query token) first: attention runs them as one padded batch
         scheduled.sort(key=lambda rn: rn[1] != 1)
@@ -127,6 +143,16 @@ class Scheduler:
             block_copies=self.kv.drain_copies(),
         )
         return SchedulerOutput(batch, preempted)
+
+    def _hashes_computed(self, req: Request, n: int) -> list[bytes]:
+        """Hashes of the full blocks that computing n more tokens of req completes."""
+        if not self.kv.enable_prefix_caching:
+            return []
+        bs = self.kv.block_size
+        start = (req.num_computed_tokens - n) // bs if req.status is RequestStatus.RUNNING else 0
+        end = (req.num_computed_tokens + n) // bs
+        req.update_block_hashes(bs)
+        return req.block_hashes[max(0, start):end]
 
     def _chunk(self, remaining: int, budget: int) -> int:
         cap = self.config.long_prefill_token_threshold or budget

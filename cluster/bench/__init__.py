@@ -1,0 +1,1 @@
+"""kvstrata.cluster.bench: the workloads, trace replay and measurements behind `kvstrata bench`."""

@@ -1,0 +1,204 @@
+"""`kvstrata bench throughput`: one workload through kvstrata's `LLM` and, side by side, HF transformers.
+
+All requests arrive at t = 0 (an offline batch), decode greedily and ignore EOS, so every engine
+produces exactly the requested output tokens. A request's latency is the time from t = 0 until its
+last token. The HF baseline is the faster of `generate` over left-padded static batches and
+`generate_batch` (transformers' continuous batching), on the same weights and dtype.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvstrata.cluster.bench.workloads import Workload
+
+
+@dataclass(frozen=True)
+class RunResult:
+    engine: str
+    wall_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    latencies_s: list[float] = field(repr=False)
+    prefix_hit_rate: float | None = None
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_s
+
+    def latency_percentile(self, q: float) -> float:
+        return percentile(self.latencies_s, q)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "wall_s": round(self.wall_s, 3),
+            "num_requests": self.num_requests,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "output_tokens_per_s": round(self.output_tokens_per_s, 2),
+            "total_tokens_per_s": round(self.total_tokens_per_s, 2),
+            "latency_p50_s": round(self.latency_percentile(50), 3),
+            "latency_p90_s": round(self.latency_percentile(90), 3),
+            "latency_p99_s": round(self.latency_percentile(99), 3),
+            "prefix_hit_rate": None if self.prefix_hit_rate is None else round(self.prefix_hit_rate, 4),
+        }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of a non-empty list."""
+    if not values:
+        raise ValueError("percentile of an empty list")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+class Progress:
+    """A one-line progress counter on stderr; silent when stderr is not a terminal."""
+
+    def __init__(self, label: str, total: int, enabled: bool | None = None):
+        self.label, self.total, self.done = label, total, 0
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if self.enabled:
+            print(f"\r{self.label}: {self.done}/{self.total}", end="", file=sys.stderr, flush=True)
+            if self.done >= self.total:
+                print(file=sys.stderr)
+
+
+def run_kvstrata(llm: Any, workload: Workload, clock: Callable[[], float] = time.perf_counter) -> RunResult:
+    from kvstrata.worker.sampling_params import SamplingParams
+
+    engine = llm.engine
+    queried0, hit0 = engine.kv.num_prompt_tokens_queried, engine.kv.num_prompt_tokens_hit
+    progress = Progress(f"kvstrata {workload.name}", len(workload.requests))
+    start = clock()
+    for i, req in enumerate(workload.requests):
+        sp = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
+        engine.add_request(f"bench-{i}", list(req.prompt_token_ids), sp)
+    latencies: list[float] = []
+    output_tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            latencies.append(clock() - start)
+            output_tokens += len(out.outputs[0].token_ids)
+            progress.advance()
+    wall = clock() - start
+    queried = engine.kv.num_prompt_tokens_queried - queried0
+    hit = engine.kv.num_prompt_tokens_hit - hit0
+    return RunResult("kvstrata", wall, len(workload.requests), workload.num_prompt_tokens, output_tokens,
+                     latencies, hit / queried if queried else 0.0)
+
+
+def run_hf_static(model: Any, workload: Workload, batch_size: int = 8,
+                  clock: Callable[[], float] = time.perf_counter) -> RunResult:
+    """`model.generate` over left-padded batches in arrival order."""
+    import torch
+
+    pad = 0
+    reqs = workload.requests
+    progress = Progress(f"hf-generate {workload.name}", len(reqs))
+    latencies: list[float] = []
+    output_tokens = 0
+    start = clock()
+    for b in range(0, len(reqs), batch_size):
+        batch = reqs[b : b + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            n = len(r.prompt_token_ids)
+            ids[i, width - n :] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - n :] = 1
+        new = max(r.max_tokens for r in batch)
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=pad)
+        done = clock() - start
+        latencies += [done] * len(batch)
+        output_tokens += sum(r.max_tokens for r in batch)  # only the tokens each request asked for
+        progress.advance(len(batch))
+    return RunResult(f"hf-generate(bs={batch_size})", clock() - start, len(reqs), workload.num_prompt_tokens,
+                     output_tokens, latencies)
+
+
+def run_hf_continuous(model: Any, workload: Workload, clock: Callable[[], float] = time.perf_counter) -> RunResult:
+    """transformers' own continuous batching (`generate_batch`), one max_new_tokens for all."""
+    from transformers import GenerationConfig
+
+    reqs = workload.requests
+    new = max(r.max_tokens for r in reqs)
+    cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    start = clock()
+    model.generate_batch(inputs=[list(r.prompt_token_ids) for r in reqs], generation_config=cfg,
+                         progress_bar=False)
+    wall = clock() - start
+    return RunResult("hf-generate_batch", wall, len(reqs), workload.num_prompt_tokens,
+                     sum(r.max_tokens for r in reqs), [wall] * len(reqs))
+
+
+def load_hf_model(model: str, dtype: str | None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvstrata.worker.model_source import resolve_model
+
+    src = resolve_model(model)
+    torch_dtype = torch.bfloat16 if dtype in ("bf16", "bfloat16") else torch.float32
+    if src.kind == "gguf":
+        m = AutoModelForCausalLM.from_pretrained(src.path.parent, gguf_file=src.path.name, dtype=torch_dtype)
+    else:
+        m = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch_dtype)
+    return m.eval()
+
+
+@dataclass
+class ThroughputReport:
+    workload: str
+    kvstrata: RunResult
+    baselines: list[RunResult] = field(default_factory=list)
+
+    @property
+    def best_baseline(self) -> RunResult | None:
+        return max(self.baselines, key=lambda r: r.output_tokens_per_s) if self.baselines else None
+
+    def to_json(self) -> dict[str, Any]:
+        best = self.best_baseline
+        return {
+            "workload": self.workload,
+            "kvstrata": self.kvstrata.summary(),
+            "baselines": [b.summary() for b in self.baselines],
+            "best_baseline": best.engine if best else None,
+            "ratio_output_tokens_per_s": (
+                round(self.kvstrata.output_tokens_per_s / best.output_tokens_per_s, 3) if best else None
+            ),
+        }
+
+
+def format_report(report: ThroughputReport) -> str:
+    rows = [report.kvstrata, *report.baselines]
+    lines = [f"workload: {report.workload}",
+             f"{'engine':<24}{'out tok/s':>11}{'total tok/s':>13}{'p50 s':>9}{'p90 s':>9}{'p99 s':>9}{'hit rate':>10}"]
+    for r in rows:
+        s = r.summary()
+        hit = "-" if s["prefix_hit_rate"] is None else f"{s['prefix_hit_rate']:.1%}"
+        lines.append(f"{r.engine:<24}{s['output_tokens_per_s']:>11.1f}{s['total_tokens_per_s']:>13.1f}"
+                     f"{s['latency_p50_s']:>9.2f}{s['latency_p90_s']:>9.2f}{s['latency_p99_s']:>9.2f}{hit:>10}")
+    j = report.to_json()
+    if j["ratio_output_tokens_per_s"] is not None:
+        lines.append(f"kvstrata / {j['best_baseline']}: {j['ratio_output_tokens_per_s']:.2f}x output tokens/s")
+    return "\n".join(lines)
