@@ -55,3 +55,21 @@ def test_bench_throughput_cli_tiny(tmp_path):
     assert report["baselines"][0]["engine"].startswith("hf-generate")
     assert report["ratio_output_tokens_per_s"] > 0
     assert "kvstrata /" in r.stdout
+
+
+def test_plots_are_written_as_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvstrata.cluster.bench.cli import plot_throughput
+
+    ours = RunResult("kvstrata", 2.0, 4, 400, 100, [1.0, 2.0, 2.0, 2.0], 0.5)
+    base = RunResult("hf-a", 10.0, 4, 400, 100, [10.0] * 4)
+    path = tmp_path / "tp.png"
+    plot_throughput(ThroughputReport("w", ours, [base]), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    from tests.test_cli import kvstrata
+
+    mem_png = tmp_path / "mem.png"
+    r = kvstrata("bench", "memory", "--num-requests", "200", "--plot", str(mem_png))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert mem_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
