@@ -8,7 +8,7 @@ one group: sample 0 prefills, and the other samples fork from it, sharing its bl
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -37,7 +37,6 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_requests_finished: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class LLMEngine:

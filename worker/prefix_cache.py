@@ -108,9 +108,7 @@ class PrefixCache:
     def eviction_order(self) -> list[int]:
         """Block ids in the order they would be evicted if nothing else changed (introspection)."""
         removed: set[int] = set()
-        remaining = {
-            b.block_id: sum(1 for c in b.children.values()) for b in self.hash_to_block.values()
-        }
+        remaining = {b.block_id: len(b.children) for b in self.hash_to_block.values()}
         heap = [(b.last_access, b.block_id) for b in self.hash_to_block.values() if b.is_evictable]
         heapq.heapify(heap)
         order: list[int] = []
