@@ -69,7 +69,12 @@ def test_plots_are_written_as_png(tmp_path):
 
     from tests.test_cli import kvstrata
 
+    trace = tmp_path / "trace.jsonl"  # a small trace of our own, so the test needs no shared/ folder
+    trace.write_text("".join(
+        json.dumps({"timestamp": i, "input_length": 100 + 37 * i, "output_length": 20 + i,
+                    "hash_ids": list(range((100 + 37 * i) // 512 + 1))}) + "\n"
+        for i in range(60)))
     mem_png = tmp_path / "mem.png"
-    r = kvstrata("bench", "memory", "--num-requests", "200", "--plot", str(mem_png))
+    r = kvstrata("bench", "memory", "--trace", str(trace), "--max-seq-len", "4096", "--plot", str(mem_png))
     assert r.returncode == 0, r.stderr[-2000:]
     assert mem_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
