@@ -12,8 +12,22 @@ from kvstrata.worker.attention import (
     paged_attention,
     write_kv,
 )
+from kvstrata.worker.cpu_kernels import load_cpu_kernels
 
 BLOCK = 4
+KERNELS = load_cpu_kernels()
+# decodes run through the C kernel where it builds, and through plain torch everywhere
+DECODE_BACKENDS = ["torch", pytest.param("kernel", marks=pytest.mark.skipif(KERNELS is None, reason="no C compiler"))]
+
+
+def _decode_meta(table: torch.Tensor, seq_lens: torch.Tensor, backend: str, block: int = BLOCK) -> AttentionMetadata:
+    width = table.shape[1]
+    mask = (torch.arange(width * block)[None, :] < seq_lens[:, None]).view(len(seq_lens), 1, 1, -1)
+    return AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=len(seq_lens), decode_block_tables=table,
+        decode_seq_lens=seq_lens, decode_mask=None if backend == "kernel" else mask, prefills=[],
+        cpu_kernels=KERNELS if backend == "kernel" else None,
+    )
 
 
 def _scatter(seqs, num_blocks, h_kv, d, gen):
@@ -45,7 +59,8 @@ def test_varlen_prefill_with_cached_prefix_equals_sdpa(h, h_kv):
     for L, n, t in zip(lens, new, tables):
         prefills.append(PrefillChunk(rows, n, L, torch.tensor(t)))
         rows += n
-    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), 0, None, None, prefills)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=0, decode_block_tables=None,
+                             decode_seq_lens=None, decode_mask=None, prefills=prefills)
     q = torch.cat([qf[L - n:] for qf, L, n in zip(qs, lens, new)])
     out = paged_attention(q, k_cache, v_cache, meta, scale)
 
@@ -56,8 +71,9 @@ def test_varlen_prefill_with_cached_prefix_equals_sdpa(h, h_kv):
         row += n
 
 
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize("h,h_kv", [(9, 3), (4, 4)])
-def test_batched_decode_equals_sdpa(h, h_kv):
+def test_batched_decode_equals_sdpa(h, h_kv, backend):
     gen = torch.Generator().manual_seed(7)
     d = 8
     d_scale = d ** -0.5
@@ -67,9 +83,7 @@ def test_batched_decode_equals_sdpa(h, h_kv):
     k_cache, v_cache, tables = _scatter(seqs, 40, h_kv, d, gen)
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    seq_lens = torch.tensor(lens)
-    mask = (torch.arange(width * BLOCK)[None, :] < seq_lens[:, None]).view(len(lens), 1, 1, -1)
-    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), len(lens), table, mask, [])
+    meta = _decode_meta(table, torch.tensor(lens), backend)
     q = torch.stack([qf[-1] for qf in qs])
     out = paged_attention(q, k_cache, v_cache, meta, d_scale)
     for i, ((k, v), qf) in enumerate(zip(seqs, qs)):
@@ -77,7 +91,8 @@ def test_batched_decode_equals_sdpa(h, h_kv):
         torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_garbage_in_unused_slots_is_ignored():
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
+def test_garbage_in_unused_slots_is_ignored(backend):
     """Slots past a sequence's length may hold stale KV from earlier requests; they must not leak in."""
     gen = torch.Generator().manual_seed(3)
     h = h_kv = 2
@@ -88,8 +103,44 @@ def test_garbage_in_unused_slots_is_ignored():
     v_cache = torch.full((2, BLOCK, h_kv, d), 1e4)
     write_kv(k_cache, v_cache, k, v, torch.tensor([4, 5, 6]))  # block 1, offsets 0..2
     q = torch.randn(1, h, d, generator=gen)
-    mask = (torch.arange(BLOCK) < 3).view(1, 1, 1, BLOCK)
-    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), 1, torch.tensor([[1]]), mask, [])
+    meta = _decode_meta(torch.tensor([[1]]), torch.tensor([3]), backend)
     out = paged_attention(q, k_cache, v_cache, meta, 0.5)
     ref = contiguous_attention(torch.cat([torch.zeros(2, h, d), q]), k, v, 0.5)[-1]
     torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,h,h_kv,d,block", [
+    (1, 9, 3, 64, 16),    # one sequence: tasks split by KV head
+    (12, 9, 3, 64, 16),   # many sequences: one task per sequence, all heads
+    (5, 8, 8, 128, 8),    # MHA, head_dim 128
+    (6, 4, 1, 40, 32),    # MQA, a head_dim with no specialised path
+])
+def test_kernel_matches_torch_decode(dtype, batch, h, h_kv, d, block):
+    gen = torch.Generator().manual_seed(batch * 1000 + d)
+    num_blocks = 64
+    k_cache = (torch.randn(num_blocks, block, h_kv, d, generator=gen) * 3).to(dtype)
+    v_cache = torch.randn(num_blocks, block, h_kv, d, generator=gen).to(dtype)
+    seq_lens = torch.randint(1, 5 * block, (batch,), generator=gen)
+    width = int(-(-seq_lens.max() // block))
+    table = torch.randint(0, num_blocks, (batch, width), generator=gen)
+    q = (torch.randn(batch, h, d, generator=gen) * 3).to(dtype)
+    got = paged_attention(q, k_cache, v_cache, _decode_meta(table, seq_lens, "kernel", block), d ** -0.5)
+    ref = paged_attention(q.float(), k_cache.float(), v_cache.float(),
+                          _decode_meta(table, seq_lens, "torch", block), d ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+def test_kernel_softmax_is_stable_for_large_scores():
+    """Scores far beyond exp's range must not overflow: the running max keeps exp's argument <= 0."""
+    k_cache = torch.zeros(2, BLOCK, 1, 2)
+    v_cache = torch.zeros(2, BLOCK, 1, 2)
+    k_cache[0, :, 0, 0] = torch.tensor([500.0, 1000.0, -1000.0, 0.0])
+    v_cache[0, :, 0, :] = torch.tensor([[1.0, 0.0], [0.0, 1.0], [5.0, 5.0], [7.0, 7.0]])
+    q = torch.tensor([[[1.0, 0.0]]])
+    out = paged_attention(q, k_cache, v_cache, _decode_meta(torch.tensor([[0]]), torch.tensor([4]), "kernel"), 1.0)
+    torch.testing.assert_close(out[0, 0], torch.tensor([0.0, 1.0]))

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvstrata.worker.cpu_kernels import CpuKernels
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -31,8 +33,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset of each new token
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] long
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_seq_lens: torch.Tensor | None  # [D] long: tokens each decode attends to, its new one included
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool, True = attend (torch path)
     prefills: list[PrefillChunk]
+    cpu_kernels: CpuKernels | None = None  # set: decodes read K/V in place through the C kernel
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -48,20 +52,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [T, H, D] -> out [T, H, D]; K/V for the new tokens must already be written."""
     out = torch.empty_like(q)
     num_kv_heads = k_cache.shape[2]
-    if meta.num_decodes:
+    if meta.num_decodes and meta.cpu_kernels is not None:
+        out[: meta.num_decodes] = meta.cpu_kernels.paged_decode(
+            q[: meta.num_decodes], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+        )
+    elif meta.num_decodes:
         out[: meta.num_decodes] = _decode_attention(
             q[: meta.num_decodes], k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale
         )
     for p in meta.prefills:
         ctx = p.context_len
         # k, v: [ctx, Hkv, D] gathered from this request's blocks
-        k = k_cache[p.block_ids].flatten(0, 1)[:ctx]
-        v = v_cache[p.block_ids].flatten(0, 1)[:ctx]
+        k = _gather_blocks(k_cache, p.block_ids)[:ctx]
+        v = _gather_blocks(v_cache, p.block_ids)[:ctx]
         qc = q[p.token_start : p.token_start + p.num_tokens]
         out[p.token_start : p.token_start + p.num_tokens] = _causal_attention(
             qc, k, v, ctx - p.num_tokens, num_kv_heads, scale
         )
     return out
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, bs, Hkv, D], block_ids [n] -> [n * bs, Hkv, D]."""
+    # index_select copies whole blocks; advanced indexing (cache[ids]) is several times slower on CPU
+    return cache.index_select(0, block_ids).flatten(0, 1)
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -70,8 +84,9 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, max_ctx, D]
-    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    k = _gather_blocks(k_cache, block_tables.flatten()).view(bsz, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = _gather_blocks(v_cache, block_tables.flatten()).view(bsz, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # k, v: [B, Hkv, max_ctx, D]
     qg = q.view(bsz, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, G, D]
     return o.reshape(bsz, num_heads, head_dim)

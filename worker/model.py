@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kvstrata.worker.attention import AttentionMetadata, paged_attention, write_kv
 from kvstrata.worker.config import ModelConfig
+from kvstrata.worker.linear import select_linear
 from kvstrata.worker.rope import RotaryEmbedding
 
 
@@ -37,7 +38,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, linear_backend: str = "auto"):
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -73,6 +74,7 @@ class LlamaModel:
             )
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                     c.rope_scaling, dtype, device)
+        self.linear = select_linear(device, dtype, linear_backend)
         self.scale = c.head_dim**-0.5
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
@@ -82,12 +84,13 @@ class LlamaModel:
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [L, 2, num_blocks, block_size, Hkv, D] -> hidden [T, hidden]."""
         c = self.config
+        linear = self.linear
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         num_tokens = h.shape[0]
         for i, layer in enumerate(self.layers):
             residual = h
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) * D]
+            qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) * D]
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(num_tokens, c.num_heads, c.head_dim)
             k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
@@ -96,15 +99,15 @@ class LlamaModel:
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-            h = residual + F.linear(o.reshape(num_tokens, self.q_size), layer.o_proj)
+            h = residual + linear(o.reshape(num_tokens, self.q_size), layer.o_proj, None)
             residual = h
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = residual + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(x, layer.gate_up, None).chunk(2, dim=-1)
+            h = residual + linear(F.silu(gate) * up, layer.down, None)
         return h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows that are sampled) -> logits [N, V] in float32."""
         x = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.linear(x, self.lm_head, None).float()

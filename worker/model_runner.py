@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.worker.attention import AttentionMetadata, PrefillChunk
+from kvstrata.worker.cpu_kernels import load_cpu_kernels
 from kvstrata.worker.kv_cache_manager import BlockCopy
 from kvstrata.worker.model import LlamaModel
 from kvstrata.worker.request import Request
@@ -46,6 +47,11 @@ class ModelRunner:
             dtype=model.dtype,
             device=model.device,
         )
+        kernels = load_cpu_kernels() if self.device.type == "cpu" else None
+        if kernels is not None and not kernels.supports(model.dtype, c.num_heads, c.num_kv_heads, c.head_dim,
+                                                        block_size):
+            kernels = None
+        self.cpu_kernels = kernels
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
@@ -89,12 +95,13 @@ class ModelRunner:
         slot_mapping = table[req_of_token, positions // bs] * bs + positions % bs  # [T]
 
         d = batch.num_decodes
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = seq_lens = None
         if d:
             seq_lens = starts_t[:d] + 1
             width = int(((seq_lens.max() + bs - 1) // bs).item())
-            decode_tables = table[:d, :width]
-            decode_mask = (torch.arange(width * bs)[None, :] < seq_lens[:, None]).view(d, 1, 1, width * bs)
+            decode_tables = table[:d, :width].contiguous()
+            if self.cpu_kernels is None:
+                decode_mask = (torch.arange(width * bs)[None, :] < seq_lens[:, None]).view(d, 1, 1, width * bs)
         prefills = []
         row = int(ends[d - 1]) if d else 0
         for i in range(d, len(reqs)):
@@ -107,8 +114,10 @@ class ModelRunner:
             slot_mapping=slot_mapping.to(dev),
             num_decodes=d,
             decode_block_tables=decode_tables.to(dev) if decode_tables is not None else None,
+            decode_seq_lens=seq_lens.to(dev) if seq_lens is not None else None,
             decode_mask=decode_mask.to(dev) if decode_mask is not None else None,
             prefills=prefills,
+            cpu_kernels=self.cpu_kernels,
         )
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         return input_ids, positions.to(dev), meta, ends - 1

@@ -17,6 +17,68 @@ def add_bench_parser(sub) -> None:
     from kvstrata.cluster.bench.memory import add_bench_memory_parser
 
     add_bench_memory_parser(bench_sub)
+    _add_roofline(bench_sub)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _dtype_list(text: str) -> tuple[str, ...]:
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    bad = [v for v in values if v not in ("float32", "bfloat16")]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"dtypes must be float32 and/or bfloat16, got {text!r}")
+    return values
+
+
+def _add_roofline(bench_sub) -> None:
+    p = bench_sub.add_parser("roofline", help="machine peaks, and the decode step against its bound",
+                             description="Measure matmul FLOP/s and memory bandwidth, then the engine's "
+                                         "decode step at several batch sizes as a ratio to its roofline bound.")
+    p.add_argument("--batches", type=_int_list, default=(1, 8, 32), help="decode batch sizes (default 1,8,32)")
+    p.add_argument("--prompt-len", type=positive_int, default=256, help="prompt tokens per sequence")
+    p.add_argument("--steps", type=positive_int, default=16, help="timed decode steps per batch size")
+    p.add_argument("--dtypes", type=_dtype_list, default=("float32", "bfloat16"))
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--quick", action="store_true", help="small peak measurements (a smoke test, not a figure)")
+    p.add_argument("--json", type=Path, default=None, help="write the report as one JSON object")
+    p.set_defaults(func=run_roofline_cmd)
+
+
+def run_roofline_cmd(args: argparse.Namespace) -> int:
+    from kvstrata.cluster.bench.roofline import bench_decode, measure_peaks
+    from kvstrata.worker.llm import LLM
+
+    if args.quick:
+        peaks = measure_peaks(args.dtypes, matmul_sizes=(256,), bandwidth_bytes=64 << 20, repeats=2)
+    else:
+        peaks = measure_peaks(args.dtypes)
+    print(f"memory bandwidth: read {peaks.read_bytes_per_s / 1e9:.1f} GB/s, copy {peaks.copy_bytes_per_s / 1e9:.1f} GB/s")
+    for d, m in peaks.matmul.items():
+        backends = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in m.by_backend.items())
+        print(f"matmul {d}: {m.flops_per_s / 1e9:.0f} GFLOP/s ({backends})")
+    print(f"{'dtype':<10}{'batch':>6}{'context':>9}{'step ms':>10}{'bound ms':>10}{'bound':>9}{'ratio':>8}")
+    results = []
+    max_batch = max(args.batches)
+    for d in args.dtypes:
+        blocks = max_batch * (-(-(args.prompt_len + args.steps + 8) // 16)) + 16
+        llm = LLM(args.model, dtype=d, num_gpu_blocks=blocks)
+        for r in bench_decode(llm, d, peaks, args.batches, args.prompt_len, args.steps):
+            results.append(r)
+            print(f"{d:<10}{r.batch:>6}{r.context_len:>9}{r.step_s * 1e3:>10.2f}{r.bound_s * 1e3:>10.2f}"
+                  f"{r.bound_kind:>9}{r.ratio:>8.2f}")
+        del llm
+    if args.json:
+        args.json.write_text(json.dumps({"peaks": peaks.to_json(), "decode": [r.to_json() for r in results]},
+                                        indent=1))
+    return 0
 
 
 def _add_throughput(bench_sub) -> None:
@@ -36,6 +98,12 @@ def _add_throughput(bench_sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the report as one JSON object")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart (needs matplotlib)")
+    p.add_argument("--no-bound", action="store_true", help="skip measuring the machine's peaks and the roofline bound")
+    p.add_argument("--quick", action="store_true", help="small peak measurements (a smoke test, not a figure)")
+    p.add_argument("--ablate-prefix-caching", action="store_true",
+                   help="instead: run kvstrata with prefix caching on and off on --repeats fresh seeds of the "
+                        "workload and report what caching costs (use a workload with no sharing, e.g. random)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="runs per engine for --ablate-prefix-caching")
     p.set_defaults(func=run_throughput_cmd)
 
 
@@ -55,9 +123,13 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     bad = [m for m in modes if m not in ("generate", "generate_batch")]
     if bad:
         raise ValueError(f"--hf-modes: unknown mode(s) {', '.join(bad)}; choose generate, generate_batch")
+    if args.ablate_prefix_caching:
+        return _run_ablation(args)
     workload = WORKLOADS[args.workload](num_requests=args.num_requests, seed=args.seed)
     llm = LLM(args.model, dtype=args.dtype)
     report = ThroughputReport(workload.name, run_kvstrata(llm, workload))
+    if not args.no_bound:
+        report.bound = _workload_bound(llm, workload, args.dtype, args.quick)
     if args.baseline == "hf":
         hf = load_hf_model(args.model, args.dtype)
         if "generate" in modes:
@@ -69,6 +141,43 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(report.to_json(), indent=1))
     if args.plot:
         plot_throughput(report, args.plot)
+    return 0
+
+
+def _workload_bound(llm, workload, dtype: str, quick: bool):
+    from kvstrata.cluster.bench.roofline import ModelCost, measure_peaks
+    from kvstrata.cluster.bench.throughput import Bound
+
+    if quick:
+        peaks = measure_peaks((dtype,), matmul_sizes=(256,), bandwidth_bytes=64 << 20, repeats=2)
+    else:
+        peaks = measure_peaks((dtype,))
+    work = ModelCost(llm.engine.config, dtype).workload(workload, llm.engine.kv.block_size)
+    return Bound(work.bound_s(peaks, dtype), work.bound_kind(peaks, dtype), work.flops, work.bytes)
+
+
+def _run_ablation(args: argparse.Namespace) -> int:
+    from kvstrata.cluster.bench.throughput import ablate_prefix_caching
+    from kvstrata.cluster.bench.workloads import WORKLOADS
+    from kvstrata.worker.llm import LLM
+
+    workloads = [WORKLOADS[args.workload](num_requests=args.num_requests, seed=args.seed + i)
+                 for i in range(args.repeats)]
+    hit = max(w.ideal_prefix_hit_rate(16) for w in workloads)
+    if hit > 0:
+        print(f"warning: workload {args.workload} shares prefixes (ideal hit rate up to {hit:.1%}); "
+              f"the ablation measures caching at 0% hits only on a workload with no sharing")
+    kv_bytes = 256 << 20
+    on = LLM(args.model, dtype=args.dtype, enable_prefix_caching=True, kv_cache_bytes=kv_bytes)
+    off = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, kv_cache_bytes=kv_bytes)
+    result = ablate_prefix_caching(on, off, workloads)
+    j = result.to_json()
+    print(f"workload: {args.workload}, {args.repeats} runs per engine")
+    print(f"prefix caching on:  median {j['median_on']:.1f} output tok/s  {j['on_output_tokens_per_s']}")
+    print(f"prefix caching off: median {j['median_off']:.1f} output tok/s  {j['off_output_tokens_per_s']}")
+    print(f"cost of prefix caching at 0% hits: {result.cost:.2%}")
+    if args.json:
+        args.json.write_text(json.dumps({"workload": args.workload, "ablation": j}, indent=1))
     return 0
 
 

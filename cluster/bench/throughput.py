@@ -8,6 +8,7 @@ last token. The HF baseline is the faster of `generate` over left-padded static 
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -166,11 +167,27 @@ def load_hf_model(model: str, dtype: str | None):
     return m.eval()
 
 
+@dataclass(frozen=True)
+class Bound:
+    """The workload's roofline bound (see roofline.ModelCost.workload) on this machine."""
+
+    seconds: float
+    kind: str  # "compute" or "memory"
+    flops: float
+    bytes: float
+
+
 @dataclass
 class ThroughputReport:
     workload: str
     kvstrata: RunResult
     baselines: list[RunResult] = field(default_factory=list)
+    bound: Bound | None = None
+
+    @property
+    def bound_ratio(self) -> float | None:
+        """kvstrata's wall time over the workload's bound (1.0 = at the roofline)."""
+        return self.kvstrata.wall_s / self.bound.seconds if self.bound else None
 
     @property
     def best_baseline(self) -> RunResult | None:
@@ -186,6 +203,11 @@ class ThroughputReport:
             "ratio_output_tokens_per_s": (
                 round(self.kvstrata.output_tokens_per_s / best.output_tokens_per_s, 3) if best else None
             ),
+            "bound": None if self.bound is None else {
+                "seconds": round(self.bound.seconds, 4), "kind": self.bound.kind,
+                "flops": self.bound.flops, "bytes": self.bound.bytes,
+            },
+            "bound_ratio": None if self.bound_ratio is None else round(self.bound_ratio, 3),
         }
 
 
@@ -201,4 +223,42 @@ def format_report(report: ThroughputReport) -> str:
     j = report.to_json()
     if j["ratio_output_tokens_per_s"] is not None:
         lines.append(f"kvstrata / {j['best_baseline']}: {j['ratio_output_tokens_per_s']:.2f}x output tokens/s")
+    if report.bound is not None:
+        lines.append(f"roofline bound: {report.bound.seconds:.2f} s ({report.bound.kind}); "
+                     f"kvstrata wall {report.kvstrata.wall_s:.2f} s = {report.bound_ratio:.2f}x the bound")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class AblationResult:
+    """kvstrata with prefix caching on and off, on workloads with no sharing (0% hits)."""
+
+    on_tokens_per_s: list[float]
+    off_tokens_per_s: list[float]
+
+    @property
+    def cost(self) -> float:
+        """Fraction of throughput that prefix caching costs: 1 - median(on) / median(off)."""
+        return 1.0 - statistics.median(self.on_tokens_per_s) / statistics.median(self.off_tokens_per_s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"on_output_tokens_per_s": [round(x, 2) for x in self.on_tokens_per_s],
+                "off_output_tokens_per_s": [round(x, 2) for x in self.off_tokens_per_s],
+                "median_on": round(statistics.median(self.on_tokens_per_s), 2),
+                "median_off": round(statistics.median(self.off_tokens_per_s), 2),
+                "cost": round(self.cost, 4)}
+
+
+def ablate_prefix_caching(llm_on: Any, llm_off: Any, workloads: list[Workload]) -> AblationResult:
+    """Run each workload through both engines, alternating which goes first, and collect output tok/s.
+
+    The workloads must share nothing with each other or within themselves (use a fresh seed for
+    each), so the engine with caching on pays for hashing and caching and never gets a hit.
+    """
+    on: list[float] = []
+    off: list[float] = []
+    for i, w in enumerate(workloads):
+        order = [(llm_on, on), (llm_off, off)]
+        for llm, sink in order if i % 2 == 0 else order[::-1]:
+            sink.append(run_kvstrata(llm, w).output_tokens_per_s)
+    return AblationResult(on, off)

@@ -38,6 +38,7 @@ class PrefixStats:
 
     num_prompt_tokens: int
     num_hit_tokens: int
+    hit_tokens_per_request: tuple[int, ...] = ()
 
     @property
     def hit_rate(self) -> float:
@@ -82,20 +83,22 @@ class Workload:
             raise ValueError(f"block_size must be positive, got {block_size}")
         # a trie of full blocks: each node maps a block's tokens to the node of the chain it ends
         root: dict[tuple[int, ...], dict] = {}
-        num_hit = 0
+        hits: list[int] = []
         for req in self.requests:
             ids = req.prompt_token_ids
             max_hit_blocks = (len(ids) - 1) // block_size
             node = root
+            hit = 0
             for i in range(len(ids) // block_size):
                 key = tuple(ids[i * block_size : (i + 1) * block_size])
                 child = node.get(key)
                 if child is None:  # a miss: every later block of this request is new too
                     child = node[key] = {}
                 elif i < max_hit_blocks:
-                    num_hit += block_size
+                    hit += block_size
                 node = child
-        return PrefixStats(self.num_prompt_tokens, num_hit)
+            hits.append(hit)
+        return PrefixStats(self.num_prompt_tokens, sum(hits), tuple(hits))
 
     def ideal_prefix_hit_rate(self, block_size: int) -> float:
         return self.prefix_stats(block_size).hit_rate

@@ -1,0 +1,239 @@
+"""The roofline: this machine's matmul FLOP/s and memory bandwidth, and the work a model step or a
+whole workload cannot avoid, so that measured times can be quoted as a ratio to their lower bound.
+
+    bound = max(FLOPs / peak FLOP/s, bytes read / bandwidth)
+
+Peaks are measured, never assumed: the best of torch's own matmul and the engine's projection
+backend on large square matrices, and a streaming read (a sum over a tensor far larger than the
+last-level cache). The work model counts what any engine must do: every projection and attention
+FLOP of the tokens it computes (prefix-cache hits are not computed), and, per forward pass, all
+weights plus the KV cache of every decoding sequence read from memory.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from kvstrata.cluster.bench.workloads import Workload
+from kvstrata.worker.config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# -- machine peaks ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MatmulPeak:
+    dtype: str
+    flops_per_s: float  # the best of the backends below
+    by_backend: dict[str, float]  # "torch.matmul" / "engine" -> FLOP/s at the best size
+
+
+@dataclass(frozen=True)
+class MachinePeaks:
+    matmul: dict[str, MatmulPeak]  # by dtype name
+    read_bytes_per_s: float  # streaming read: the bandwidth bound
+    copy_bytes_per_s: float  # read + write, reported for context
+
+    def flops_per_s(self, dtype: str) -> float:
+        return self.matmul[dtype].flops_per_s
+
+    def to_json(self) -> dict:
+        return {"matmul": {k: asdict(v) for k, v in self.matmul.items()},
+                "read_bytes_per_s": self.read_bytes_per_s, "copy_bytes_per_s": self.copy_bytes_per_s}
+
+
+def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1,
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return statistics.median(times)
+
+
+def measure_matmul(dtype: str, sizes: tuple[int, ...] = (2048, 4096), repeats: int = 5) -> MatmulPeak:
+    from kvstrata.worker.linear import select_linear
+
+    td = DTYPES[dtype]
+    engine_linear = select_linear(torch.device("cpu"), td)
+    best: dict[str, float] = {}
+    gen = torch.Generator().manual_seed(0)
+    for n in sizes:
+        a = torch.randn(n, n, generator=gen).to(td)
+        b = torch.randn(n, n, generator=gen).to(td)
+        flops = 2 * n**3
+        for name, fn in (("torch.matmul", lambda: torch.matmul(a, b)), ("engine", lambda: engine_linear(a, b, None))):
+            best[name] = max(best.get(name, 0.0), flops / median_time(fn, repeats))
+    return MatmulPeak(dtype, max(best.values()), best)
+
+
+def measure_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> tuple[float, float]:
+    """(streaming read, copy read+write) bytes/s over a buffer far larger than the caches."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    read = num_bytes / median_time(lambda: x.sum(), repeats)
+    y = torch.empty_like(x)
+    copy = 2 * num_bytes / median_time(lambda: y.copy_(x), repeats)
+    return read, copy
+
+
+def measure_peaks(dtypes: tuple[str, ...] = ("float32", "bfloat16"), matmul_sizes: tuple[int, ...] = (2048, 4096),
+                  bandwidth_bytes: int = 512 << 20, repeats: int = 5) -> MachinePeaks:
+    matmul = {d: measure_matmul(d, matmul_sizes, repeats) for d in dtypes}
+    read, copy = measure_bandwidth(bandwidth_bytes, repeats)
+    return MachinePeaks(matmul, read, copy)
+
+
+# -- work model ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Work:
+    flops: float
+    bytes: float
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.flops + other.flops, self.bytes + other.bytes)
+
+    def bound_s(self, peaks: MachinePeaks, dtype: str) -> float:
+        return max(self.flops / peaks.flops_per_s(dtype), self.bytes / peaks.read_bytes_per_s)
+
+    def bound_kind(self, peaks: MachinePeaks, dtype: str) -> str:
+        compute = self.flops / peaks.flops_per_s(dtype)
+        return "compute" if compute >= self.bytes / peaks.read_bytes_per_s else "memory"
+
+
+class ModelCost:
+    """FLOPs and bytes of a Llama-family model's forward passes (norms, rope and sampling left out).
+
+    One token through the decoder costs 2 * P FLOPs (P = projection weights), and attending to c keys
+    adds 4 * L * H * D * c (scores and weighted values). A sampled token adds 2 * V * hidden for the
+    LM head. A forward pass reads every weight once, and each sequence's c cached keys and values.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: str, kv_dtype: str | None = None):
+        c = config
+        self.config = c
+        self.elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
+        kv_elem = torch.empty((), dtype=DTYPES[kv_dtype or dtype]).element_size()
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+        self.projection_params = c.num_layers * per_layer
+        self.head_params = c.vocab_size * c.hidden_size
+        self.attention_flops_per_key = 4 * c.num_layers * c.num_heads * c.head_dim
+        self.kv_bytes_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * kv_elem
+
+    @property
+    def weight_bytes(self) -> int:
+        return (self.projection_params + self.head_params) * self.elem
+
+    def token_flops(self, num_tokens: int, num_keys: int, num_sampled: int) -> float:
+        """num_tokens through the decoder attending to num_keys keys in total; num_sampled through the head."""
+        return (2.0 * self.projection_params * num_tokens + self.attention_flops_per_key * num_keys
+                + 2.0 * self.head_params * num_sampled)
+
+    def decode_step(self, batch: int, context_len: int) -> Work:
+        """One decode step of `batch` sequences, each attending to `context_len` keys (its new one included)."""
+        flops = self.token_flops(batch, batch * context_len, batch)
+        return Work(flops, self.weight_bytes + batch * context_len * self.kv_bytes_per_token)
+
+    def workload(self, workload: Workload, block_size: int) -> Work:
+        """The least work to serve `workload` with a perfect prefix cache of `block_size`-token blocks.
+
+        Per request of n prompt tokens, h of them cache hits, and m output tokens:
+
+            prefill:  tokens h .. n-1 are computed; token p attends to p + 1 keys
+            decode:   m - 1 more tokens; the k-th attends to n + k keys
+            head:     m sampled tokens
+
+        Bytes: the longest request needs max(m) sequential passes, each reading all weights, and each
+        decode token reads its whole context's KV.
+        """
+        hits = workload.prefix_stats(block_size).hit_tokens_per_request
+        flops = 0.0
+        kv_bytes = 0.0
+        for req, h in zip(workload.requests, hits):
+            n, m = len(req.prompt_token_ids), req.max_tokens
+            prefill_keys = (n * (n + 1) - h * (h + 1)) // 2  # sum of p + 1 for p in h .. n-1
+            decode_keys = (m - 1) * n + (m - 1) * m // 2  # sum of n + k for k in 1 .. m-1
+            flops += self.token_flops((n - h) + (m - 1), prefill_keys + decode_keys, m)
+            kv_bytes += decode_keys * self.kv_bytes_per_token
+        passes = max((r.max_tokens for r in workload.requests), default=0)
+        return Work(flops, passes * self.weight_bytes + kv_bytes)
+
+
+# -- the engine's decode step -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DecodeStepResult:
+    dtype: str
+    batch: int
+    context_len: int  # keys each sequence attends to at the median timed step
+    step_s: float  # median over the timed steps
+    bound_s: float
+    bound_kind: str  # "compute" or "memory"
+
+    @property
+    def ratio(self) -> float:
+        return self.step_s / self.bound_s
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "ratio": round(self.ratio, 3)}
+
+
+def time_decode_steps(llm, batch: int, prompt_len: int, num_steps: int, seed: int = 0,
+                      clock: Callable[[], float] = time.perf_counter) -> tuple[float, int]:
+    """Median seconds of an engine step with `batch` sequences decoding, and their context length then.
+
+    Every sequence gets its own random prompt (no prefix sharing), is prefilled first, and then
+    decodes; only steps in which all `batch` sequences decode are timed.
+    """
+    import random
+
+    from kvstrata.worker.sampling_params import SamplingParams
+
+    engine = llm.engine
+    if engine.has_unfinished_requests():
+        raise ValueError("time_decode_steps needs an idle engine")
+    rng = random.Random(seed)
+    vocab = engine.config.vocab_size
+    ids = [f"roofline-{batch}-{i}" for i in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=num_steps + 3, ignore_eos=True)
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, [rng.randrange(17, vocab) for _ in range(prompt_len)], params)
+    try:
+        running = engine.scheduler.running
+        while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in running):
+            engine.step()
+        engine.step()  # warm-up decode step
+        times = []
+        for _ in range(num_steps):
+            t0 = clock()
+            engine.step()
+            times.append(clock() - t0)
+        if len(running) != batch:
+            raise RuntimeError(f"expected {batch} sequences decoding, found {len(running)}")
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+    # the step at the median sits halfway through; its sequences attend prompt + 2 + steps/2 keys
+    return statistics.median(times), prompt_len + 2 + num_steps // 2
+
+
+def bench_decode(llm, dtype: str, peaks: MachinePeaks, batches: tuple[int, ...], prompt_len: int,
+                 num_steps: int) -> list[DecodeStepResult]:
+    cost = ModelCost(llm.engine.config, dtype)
+    results = []
+    for b in batches:
+        step_s, ctx = time_decode_steps(llm, b, prompt_len, num_steps)
+        work = cost.decode_step(b, ctx)
+        results.append(DecodeStepResult(dtype, b, ctx, step_s, work.bound_s(peaks, dtype),
+                                        work.bound_kind(peaks, dtype)))
+    return results

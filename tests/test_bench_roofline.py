@@ -1,0 +1,113 @@
+"""`kvstrata bench roofline`: the work model's arithmetic, the peak measurements, and a tiny CLI run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvstrata.cluster.bench.roofline import (
+    MachinePeaks,
+    MatmulPeak,
+    ModelCost,
+    Work,
+    measure_bandwidth,
+    measure_matmul,
+    median_time,
+)
+from kvstrata.cluster.bench.workloads import BenchRequest, Workload
+from kvstrata.worker.config import ModelConfig
+
+
+def _config(**over) -> ModelConfig:
+    base = dict(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=2, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0)
+    base.update(over)
+    return ModelConfig(**base)
+
+
+def _peaks(flops: float, bw: float) -> MachinePeaks:
+    return MachinePeaks({"float32": MatmulPeak("float32", flops, {"engine": flops})}, bw, bw)
+
+
+def test_model_cost_counts_parameters_and_kv():
+    cost = ModelCost(_config(), "float32")
+    # per layer: qkv 8*(8+2*4) + o 8*8 + gate/up/down 3*8*16 = 128 + 64 + 384 = 576
+    assert cost.projection_params == 2 * 576
+    assert cost.head_params == 100 * 8
+    assert cost.weight_bytes == (2 * 576 + 800) * 4
+    assert cost.kv_bytes_per_token == 2 * 2 * 2 * 2 * 4  # layers * (K, V) * kv heads * head_dim * 4 bytes
+    assert cost.attention_flops_per_key == 4 * 2 * 4 * 2
+    assert ModelCost(_config(), "bfloat16").kv_bytes_per_token == cost.kv_bytes_per_token // 2
+
+
+def test_decode_step_work():
+    cost = ModelCost(_config(), "float32")
+    w = cost.decode_step(batch=3, context_len=10)
+    assert w.flops == 3 * (2 * 1152 + 2 * 800) + 30 * 64
+    assert w.bytes == cost.weight_bytes + 30 * cost.kv_bytes_per_token
+
+
+def test_workload_work_skips_prefix_hits():
+    """Two requests with the same 8-token prompt, block size 4: the second hits (8 - 1) // 4 = 1 block."""
+    cost = ModelCost(_config(), "float32")
+    prompt = list(range(20, 28))
+    wl = Workload("w", [BenchRequest(prompt, 3), BenchRequest(prompt, 2)])
+    w = cost.workload(wl, block_size=4)
+    per_key, proj, head = 64, 2 * 1152, 2 * 800
+    # request 1: 8 prefill tokens (keys 1..8 = 36) + 2 decode tokens (keys 9 + 10) + 3 sampled
+    r1 = (8 + 2) * proj + (36 + 19) * per_key + 3 * head
+    # request 2: hits 4, computes tokens 4..7 (keys 5..8 = 26) + 1 decode token (9 keys) + 2 sampled
+    r2 = (4 + 1) * proj + (26 + 9) * per_key + 2 * head
+    assert w.flops == r1 + r2
+    assert w.bytes == 3 * cost.weight_bytes + (19 + 9) * cost.kv_bytes_per_token
+
+
+def test_bound_is_the_larger_of_compute_and_memory():
+    w = Work(flops=1e9, bytes=1e6)
+    assert w.bound_s(_peaks(1e9, 1e9), "float32") == pytest.approx(1.0)
+    assert w.bound_kind(_peaks(1e9, 1e9), "float32") == "compute"
+    assert w.bound_s(_peaks(1e12, 1e5), "float32") == pytest.approx(10.0)
+    assert w.bound_kind(_peaks(1e12, 1e5), "float32") == "memory"
+    assert (w + w).flops == 2e9
+
+
+def test_median_time_uses_the_injected_clock():
+    ticks = iter([0.0, 1.0, 10.0, 13.0, 20.0, 22.0])
+    assert median_time(lambda: None, repeats=3, warmup=0, clock=lambda: next(ticks)) == 2.0
+
+
+def test_peak_measurements_are_positive_and_name_their_backends():
+    m = measure_matmul("float32", sizes=(128,), repeats=1)
+    assert m.flops_per_s > 0 and set(m.by_backend) == {"torch.matmul", "engine"}
+    assert m.flops_per_s == max(m.by_backend.values())
+    read, copy = measure_bandwidth(8 << 20, repeats=1)
+    assert read > 0 and copy > 0
+
+
+@pytest.mark.slow
+def test_bench_roofline_cli_tiny(tmp_path):
+    from tests.test_cli import kvstrata
+
+    out = tmp_path / "roofline.json"
+    r = kvstrata("bench", "roofline", "--quick", "--batches", "1,2", "--prompt-len", "20", "--steps", "2",
+                 "--dtypes", "float32", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["peaks"]["read_bytes_per_s"] > 0
+    rows = report["decode"]
+    assert [row["batch"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["step_s"] > 0 and row["bound_s"] > 0
+        assert row["ratio"] == pytest.approx(row["step_s"] / row["bound_s"], rel=1e-2)
+        assert row["context_len"] == 20 + 2 + 1
+    assert "ratio" in r.stdout
+
+
+def test_bench_roofline_rejects_bad_lists():
+    from tests.test_cli import kvstrata
+
+    r = kvstrata("bench", "roofline", "--batches", "1,x")
+    assert r.returncode != 0 and "--batches" in r.stderr
+    r = kvstrata("bench", "roofline", "--dtypes", "float16")
+    assert r.returncode != 0 and "--dtypes" in r.stderr

@@ -1,0 +1,107 @@
+"""C kernels for the CPU hot path, built with the system C compiler on first use and called through ctypes.
+
+The paged decode attention kernel reads K/V in place from the block pool instead of gathering
+them into a padded copy, which on CPU costs more than the attention itself. The shared object is
+built once per source, flags and CPU into the kvstrata cache directory (atomically, so concurrent
+workers are safe), and links against the OpenMP runtime torch has already loaded, so both share
+one thread pool. Without a compiler, or with KVSTRATA_CPU_KERNELS=0, `load_cpu_kernels()` returns
+None and attention runs in plain torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvstrata.worker.gguf_loader import cache_root
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11", "-shared", "-fPIC"]
+
+
+class CpuKernels:
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+        args = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+        for fn in (lib.kvs_paged_decode_f32, lib.kvs_paged_decode_bf16):
+            fn.argtypes = args
+            fn.restype = None
+
+    def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                 block_size: int) -> bool:
+        return dtype in (torch.float32, torch.bfloat16) and num_heads % num_kv_heads == 0
+
+    def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [B, H, D]; caches: [num_blocks, bs, Hkv, D]; block_tables: [B, W] int64; seq_lens: [B] int64."""
+        batch, num_heads, head_dim = q.shape
+        num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("paged_decode needs contiguous K/V caches")
+        qf = q.float().contiguous()  # only pointers cross into C: every buffer must be dense
+        tables = block_tables.to(torch.int64).contiguous()
+        lens = seq_lens.to(torch.int64).contiguous()
+        out = torch.empty_like(qf)
+        fn = self._lib.kvs_paged_decode_bf16 if k_cache.dtype == torch.bfloat16 else self._lib.kvs_paged_decode_f32
+        fn(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+           out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], scale)
+        return out.to(q.dtype)
+
+
+def _cpu_signature() -> str:
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _build(compiler: str) -> Path:
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
+                                     _cpu_signature().encode()])).hexdigest()[:16]
+    out_dir = cache_root() / "kernels"
+    target = out_dir / f"paged_attention-{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lmvec", "-lm"], capture_output=True, text=True,
+                       check=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def load_cpu_kernels() -> CpuKernels | None:
+    """The compiled kernels, or None when they cannot be built here (the caller falls back to torch)."""
+    if os.environ.get("KVSTRATA_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found; paged attention runs in plain torch")
+        return None
+    try:
+        return CpuKernels(ctypes.CDLL(str(_build(compiler))))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = e.stderr if isinstance(e, subprocess.CalledProcessError) else e
+        log.warning("could not build the CPU kernels (%s); paged attention runs in plain torch", detail)
+        return None
