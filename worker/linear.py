@@ -2,8 +2,9 @@
 
 On this project's reference CPU (AMD, AVX-512), torch's default fp32 GEMM path (MKL) reaches about
 40% of the cores' FLOP/s, and less at the small row counts of a decode step; oneDNN's
-`_linear_pointwise` reaches 2-3x that on the same weights. The results agree with `F.linear` to
-float rounding; the choice is made once per model, never per call.
+`_linear_pointwise` reaches 2-3x that on the same weights. A single row (one sequence decoding)
+goes to the C GEMV kernel where it builds, which streams weights faster than either. The results
+agree with `F.linear` to float rounding; the backend is chosen once per model.
 """
 
 from __future__ import annotations
@@ -42,4 +43,15 @@ def select_linear(device: torch.device, dtype: torch.dtype, backend: str = "auto
                          f"not {device.type}/{dtype}")
     if backend == "torch" or not usable:
         return F.linear
-    return _onednn_linear
+    from kvstrata.worker.cpu_kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        return _onednn_linear
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] == 1 and weight.dtype == x.dtype:
+            return kernels.gemv(x, weight, bias)
+        return _onednn_linear(x, weight, bias)
+
+    return linear

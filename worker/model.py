@@ -30,7 +30,10 @@ class LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same operation order as the HF reference, so greedy outputs stay token-identical.
+    if x.dtype == torch.float32:  # one fused kernel; in float32 it rounds like the reference below
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # HF's operation order for 16-bit types (normalise in float32, round, then scale), so greedy
+    # outputs stay token-identical to the reference
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -87,15 +90,16 @@ class LlamaModel:
         linear = self.linear
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         num_tokens = h.shape[0]
+        cos, sin = self.rope.lookup(positions)
+        qk_size = self.q_size + self.kv_size
         for i, layer in enumerate(self.layers):
             residual = h
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) * D]
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(num_tokens, c.num_heads, c.head_dim)
-            k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
-            v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
-            q, k = self.rope.apply(q, k, positions)
+            # queries and keys rotate together: [T, H + Hkv, D]
+            qk = self.rope.rotate(qkv[:, :qk_size].view(num_tokens, -1, c.head_dim), cos, sin)
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+            v = qkv[:, qk_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]

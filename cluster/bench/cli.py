@@ -53,7 +53,7 @@ def _add_roofline(bench_sub) -> None:
 
 
 def run_roofline_cmd(args: argparse.Namespace) -> int:
-    from kvstrata.cluster.bench.roofline import bench_decode, measure_peaks
+    from kvstrata.cluster.bench.roofline import bench_decode, decode_tokens_needed, measure_peaks
     from kvstrata.worker.llm import LLM
 
     if args.quick:
@@ -68,7 +68,8 @@ def run_roofline_cmd(args: argparse.Namespace) -> int:
     results = []
     max_batch = max(args.batches)
     for d in args.dtypes:
-        blocks = max_batch * (-(-(args.prompt_len + args.steps + 8) // 16)) + 16
+        max_len = args.prompt_len + decode_tokens_needed(max_batch, args.steps)
+        blocks = max_batch * (-(-max_len // 16)) + 16
         llm = LLM(args.model, dtype=d, num_gpu_blocks=blocks)
         for r in bench_decode(llm, d, peaks, args.batches, args.prompt_len, args.steps):
             results.append(r)

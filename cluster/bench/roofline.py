@@ -139,7 +139,7 @@ class ModelCost:
         return (2.0 * self.projection_params * num_tokens + self.attention_flops_per_key * num_keys
                 + 2.0 * self.head_params * num_sampled)
 
-    def decode_step(self, batch: int, context_len: int) -> Work:
+    def decode_step(self, batch: int, context_len: float) -> Work:
         """One decode step of `batch` sequences, each attending to `context_len` keys (its new one included)."""
         flops = self.token_flops(batch, batch * context_len, batch)
         return Work(flops, self.weight_bytes + batch * context_len * self.kv_bytes_per_token)
@@ -175,8 +175,8 @@ class ModelCost:
 class DecodeStepResult:
     dtype: str
     batch: int
-    context_len: int  # keys each sequence attends to at the median timed step
-    step_s: float  # median over the timed steps
+    context_len: int  # mean keys each sequence attends to in the median step
+    step_s: float  # the median timed step
     bound_s: float
     bound_kind: str  # "compute" or "memory"
 
@@ -189,11 +189,12 @@ class DecodeStepResult:
 
 
 def time_decode_steps(llm, batch: int, prompt_len: int, num_steps: int, seed: int = 0,
-                      clock: Callable[[], float] = time.perf_counter) -> tuple[float, int]:
-    """Median seconds of an engine step with `batch` sequences decoding, and their context length then.
+                      clock: Callable[[], float] = time.perf_counter) -> list[tuple[float, int]]:
+    """(seconds, keys attended in total) of `num_steps` engine steps with `batch` sequences all decoding.
 
-    Every sequence gets its own random prompt (no prefix sharing), is prefilled first, and then
-    decodes; only steps in which all `batch` sequences decode are timed.
+    Every sequence gets its own random prompt (no prefix sharing). The sequences admitted first
+    start decoding while later ones still prefill, so contexts differ by a few tokens; each step's
+    total is measured, not assumed.
     """
     import random
 
@@ -205,26 +206,33 @@ def time_decode_steps(llm, batch: int, prompt_len: int, num_steps: int, seed: in
     rng = random.Random(seed)
     vocab = engine.config.vocab_size
     ids = [f"roofline-{batch}-{i}" for i in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=num_steps + 3, ignore_eos=True)
-    for i, rid in enumerate(ids):
+    # every prefill step admits at least one sequence, so none finishes before the timed steps end
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens_needed(batch, num_steps), ignore_eos=True)
+    for rid in ids:
         engine.add_request(rid, [rng.randrange(17, vocab) for _ in range(prompt_len)], params)
     try:
         running = engine.scheduler.running
         while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in running):
             engine.step()
         engine.step()  # warm-up decode step
-        times = []
+        steps = []
         for _ in range(num_steps):
+            if len(running) != batch or engine.scheduler.num_waiting:
+                raise RuntimeError(f"expected {batch} sequences decoding, found {len(running)}; "
+                                   f"the KV pool is too small for this batch")
+            keys = sum(r.num_tokens for r in running)  # each attends to its tokens, the new one included
             t0 = clock()
             engine.step()
-            times.append(clock() - t0)
-        if len(running) != batch:
-            raise RuntimeError(f"expected {batch} sequences decoding, found {len(running)}")
+            steps.append((clock() - t0, keys))
     finally:
         for rid in ids:
             engine.abort(rid)
-    # the step at the median sits halfway through; its sequences attend prompt + 2 + steps/2 keys
-    return statistics.median(times), prompt_len + 2 + num_steps // 2
+    return steps
+
+
+def decode_tokens_needed(batch: int, num_steps: int) -> int:
+    """max_tokens that keeps every sequence decoding through the prefill, warm-up and timed steps."""
+    return num_steps + batch + 2
 
 
 def bench_decode(llm, dtype: str, peaks: MachinePeaks, batches: tuple[int, ...], prompt_len: int,
@@ -232,8 +240,9 @@ def bench_decode(llm, dtype: str, peaks: MachinePeaks, batches: tuple[int, ...],
     cost = ModelCost(llm.engine.config, dtype)
     results = []
     for b in batches:
-        step_s, ctx = time_decode_steps(llm, b, prompt_len, num_steps)
-        work = cost.decode_step(b, ctx)
-        results.append(DecodeStepResult(dtype, b, ctx, step_s, work.bound_s(peaks, dtype),
+        steps = sorted(time_decode_steps(llm, b, prompt_len, num_steps))
+        step_s, keys = steps[len(steps) // 2]  # the median step (upper median for an even count)
+        work = cost.decode_step(b, keys / b)
+        results.append(DecodeStepResult(dtype, b, round(keys / b), step_s, work.bound_s(peaks, dtype),
                                         work.bound_kind(peaks, dtype)))
     return results

@@ -1,0 +1,103 @@
+"""The CPU hot-path pieces against plain-torch references: the C GEMV, the projection backends, RoPE,
+and the kernel build itself (cached, and skipped cleanly when switched off)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvstrata.worker.cpu_kernels import load_cpu_kernels
+from kvstrata.worker.linear import select_linear
+from kvstrata.worker.model import rms_norm
+from kvstrata.worker.rope import RotaryEmbedding
+
+KERNELS = load_cpu_kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 960, 576), (1, 7, 13), (3, 33, 64), (1, 1, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_linear(dtype, m, n, k, with_bias):
+    gen = torch.Generator().manual_seed(m * 100 + n + k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    got = KERNELS.gemv(x, w, b)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.shape == (m, n) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), ref.to(dtype).float(), rtol=tol, atol=tol * k ** 0.5)
+
+
+@needs_kernels
+def test_gemv_rejects_strided_weights():
+    with pytest.raises(ValueError, match="contiguous"):
+        KERNELS.gemv(torch.randn(1, 4), torch.randn(4, 8)[:, ::2], None)
+
+
+@pytest.mark.parametrize("backend", ["auto", "onednn", "torch"])
+@pytest.mark.parametrize("rows", [0, 1, 5])
+def test_linear_backends_agree(backend, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 24, generator=gen), torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+    fn = select_linear(torch.device("cpu"), torch.float32, backend)
+    torch.testing.assert_close(fn(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_backend_errors_name_the_choice():
+    with pytest.raises(ValueError, match="linear_backend"):
+        select_linear(torch.device("cpu"), torch.float32, "blas")
+    with pytest.raises(ValueError, match="onednn"):
+        select_linear(torch.device("cpu"), torch.float16, "onednn")
+
+
+def test_rope_rotate_equals_rotate_half_reference():
+    rope = RotaryEmbedding(8, 64, 10000.0, None, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 8, generator=gen)
+    positions = torch.tensor([0, 1, 7, 30, 63])
+    cos = rope.cos[positions].unsqueeze(1)
+    sin = torch.cat((-rope.signed_sin[:, :4], rope.signed_sin[:, 4:]), dim=-1)[positions].unsqueeze(1)
+    rotated_half = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
+    c, s = rope.lookup(positions)
+    torch.testing.assert_close(rope.rotate(x, c, s), x * cos + rotated_half * sin)
+    assert torch.equal(rope.rotate(x[:1], *rope.lookup(torch.tensor([0]))), x[:1])  # position 0 is the identity
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_the_reference_order(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 32, generator=gen).to(dtype)
+    w = torch.randn(32, generator=gen).to(dtype)
+    xf = x.float()
+    ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    torch.testing.assert_close(rms_norm(x, w, 1e-5), ref, rtol=0, atol=0 if dtype == torch.bfloat16 else 1e-6)
+
+
+def test_kernels_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("KVSTRATA_CPU_KERNELS", "0")
+    load_cpu_kernels.cache_clear()
+    try:
+        assert load_cpu_kernels() is None
+    finally:
+        monkeypatch.delenv("KVSTRATA_CPU_KERNELS")
+        load_cpu_kernels.cache_clear()
+
+
+@needs_kernels
+def test_kernel_build_is_cached_and_survives_a_missing_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path))
+    load_cpu_kernels.cache_clear()
+    try:
+        assert load_cpu_kernels() is not None
+        built = list((tmp_path / "kernels").glob("kvstrata-cpu-*.so"))
+        assert len(built) == 1 and not list((tmp_path / "kernels").glob("*.tmp"))
+        monkeypatch.setenv("CC", "/nonexistent/cc")
+        monkeypatch.setenv("PATH", str(tmp_path))  # no gcc either
+        load_cpu_kernels.cache_clear()
+        assert load_cpu_kernels() is None
+    finally:
+        load_cpu_kernels.cache_clear()
