@@ -47,13 +47,14 @@ def test_bench_throughput_cli_tiny(tmp_path):
 
     out = tmp_path / "tp.json"
     r = kvstrata("bench", "throughput", "--workload", "random", "--num-requests", "2",
-                 "--baseline", "hf", "--hf-modes", "generate", "--json", str(out))
+                 "--baseline", "hf", "--hf-modes", "generate", "--no-bound", "--json", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["workload"] == "random"
     assert report["kvstrata"]["num_requests"] == 2
     assert report["baselines"][0]["engine"].startswith("hf-generate")
     assert report["ratio_output_tokens_per_s"] > 0
+    assert report["bound"] is None and report["bound_ratio"] is None
     assert "kvstrata /" in r.stdout
 
 
@@ -78,3 +79,70 @@ def test_plots_are_written_as_png(tmp_path):
     r = kvstrata("bench", "memory", "--trace", str(trace), "--max-seq-len", "4096", "--plot", str(mem_png))
     assert r.returncode == 0, r.stderr[-2000:]
     assert mem_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _FakeEngine:
+    """Finishes one request per step; each step costs `cost` on the shared fake clock."""
+
+    def __init__(self, clock: list[float], cost: float):
+        self.clock, self.cost, self.pending = clock, cost, []
+
+    def add_request(self, rid, prompt, params):
+        self.pending.append(params.max_tokens)
+
+    def has_unfinished_requests(self):
+        return bool(self.pending)
+
+    def step(self):
+        from types import SimpleNamespace
+
+        self.clock[0] += self.cost
+        n = self.pending.pop(0)
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * n)])]
+
+
+def test_lockstep_times_each_engine_by_its_own_steps():
+    from types import SimpleNamespace
+
+    from kvstrata.cluster.bench.throughput import run_lockstep
+    from kvstrata.cluster.bench.workloads import BenchRequest, Workload
+
+    now = [0.0]
+    fast = SimpleNamespace(engine=_FakeEngine(now, 0.5))
+    slow = SimpleNamespace(engine=_FakeEngine(now, 2.0))
+    wl = Workload("w", [BenchRequest([20, 21], 3), BenchRequest([22], 5)])
+    tps = run_lockstep([fast, slow], wl, clock=lambda: now[0])
+    assert tps == [pytest.approx(8 / 1.0), pytest.approx(8 / 4.0)]
+
+
+def test_ablation_cost_is_one_minus_the_median_paired_ratio():
+    from kvstrata.cluster.bench.throughput import AblationResult
+
+    r = AblationResult([98.0, 50.0, 200.0], [100.0, 50.0, 190.0])
+    assert r.ratios == pytest.approx([0.98, 1.0, 200 / 190])
+    assert r.cost == pytest.approx(0.0)
+    assert AblationResult([90.0, 99.0], [100.0, 100.0]).cost == pytest.approx(1 - 0.945)
+    assert r.to_json()["cost"] == 0.0
+
+
+@pytest.mark.slow
+def test_bench_throughput_ablation_and_bound_cli_tiny(tmp_path):
+    from tests.test_cli import kvstrata
+
+    out = tmp_path / "ablate.json"
+    r = kvstrata("bench", "throughput", "--workload", "random", "--num-requests", "2", "--ablate-prefix-caching",
+                 "--repeats", "2", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    j = json.loads(out.read_text())["ablation"]
+    assert len(j["on_output_tokens_per_s"]) == len(j["off_output_tokens_per_s"]) == 2
+    assert all(x > 0 for x in j["on_output_tokens_per_s"] + j["off_output_tokens_per_s"])
+    assert "cost of prefix caching" in r.stdout
+
+    out = tmp_path / "bound.json"
+    r = kvstrata("bench", "throughput", "--workload", "shared-prefix", "--num-requests", "2", "--quick",
+                 "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    j = json.loads(out.read_text())
+    assert j["bound"]["seconds"] > 0 and j["bound"]["kind"] in ("compute", "memory")
+    assert j["bound_ratio"] == pytest.approx(j["kvstrata"]["wall_s"] / j["bound"]["seconds"], rel=0.01)
+    assert "roofline bound" in r.stdout

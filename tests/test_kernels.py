@@ -101,3 +101,13 @@ def test_kernel_build_is_cached_and_survives_a_missing_compiler(tmp_path, monkey
         assert load_cpu_kernels() is None
     finally:
         load_cpu_kernels.cache_clear()
+
+
+def test_padded_rows_buckets_bound_the_waste():
+    from kvstrata.worker.linear import padded_rows
+
+    assert [padded_rows(m) for m in (1, 7, 8, 9, 16, 17, 63, 64, 65, 260)] == [8, 8, 8, 16, 16, 24, 64, 64, 72, 288]
+    for m in range(64, 5000):
+        p = padded_rows(m)
+        assert m <= p <= m * 9 / 8
+    assert len({padded_rows(m) for m in range(64, 2049)}) <= 48  # few distinct shapes: the kernel cache hits

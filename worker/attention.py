@@ -50,6 +50,10 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, D] -> out [T, H, D]; K/V for the new tokens must already be written."""
+    if meta.cpu_kernels is not None and not meta.prefills and meta.num_decodes == q.shape[0]:
+        # decode-only step (the common case): the kernel's output is the whole result
+        return meta.cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                             scale)
     out = torch.empty_like(q)
     num_kv_heads = k_cache.shape[2]
     if meta.num_decodes and meta.cpu_kernels is not None:

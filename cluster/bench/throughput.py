@@ -237,28 +237,61 @@ class AblationResult:
     off_tokens_per_s: list[float]
 
     @property
+    def ratios(self) -> list[float]:
+        """on / off per workload; both ran the same steps interleaved, so machine drift cancels."""
+        return [a / b for a, b in zip(self.on_tokens_per_s, self.off_tokens_per_s)]
+
+    @property
     def cost(self) -> float:
-        """Fraction of throughput that prefix caching costs: 1 - median(on) / median(off)."""
-        return 1.0 - statistics.median(self.on_tokens_per_s) / statistics.median(self.off_tokens_per_s)
+        """Fraction of throughput that prefix caching costs: 1 - median(on / off)."""
+        return 1.0 - statistics.median(self.ratios)
 
     def to_json(self) -> dict[str, Any]:
         return {"on_output_tokens_per_s": [round(x, 2) for x in self.on_tokens_per_s],
                 "off_output_tokens_per_s": [round(x, 2) for x in self.off_tokens_per_s],
-                "median_on": round(statistics.median(self.on_tokens_per_s), 2),
-                "median_off": round(statistics.median(self.off_tokens_per_s), 2),
+                "on_over_off": [round(x, 4) for x in self.ratios],
                 "cost": round(self.cost, 4)}
 
 
+def run_lockstep(llms: list[Any], workload: Workload, clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Run `workload` through several engines step by step, alternately; returns each one's output tok/s.
+
+    Each engine's time is the sum of its own steps. Their steps interleave (the first to go rotates),
+    so a machine that slows down for a while slows every engine alike, and the ratio between them
+    stays meaningful on a noisy host.
+    """
+    from kvstrata.worker.sampling_params import SamplingParams
+
+    engines = [llm.engine for llm in llms]
+    for engine in engines:
+        for i, req in enumerate(workload.requests):
+            sp = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
+            engine.add_request(f"lockstep-{i}", list(req.prompt_token_ids), sp)
+    busy = [0.0] * len(engines)
+    tokens = [0] * len(engines)
+    turn = 0
+    while any(e.has_unfinished_requests() for e in engines):
+        for k in range(len(engines)):
+            j = (turn + k) % len(engines)
+            if engines[j].has_unfinished_requests():
+                t0 = clock()
+                outs = engines[j].step()
+                busy[j] += clock() - t0
+                tokens[j] += sum(len(o.outputs[0].token_ids) for o in outs)
+        turn += 1
+    return [t / b if b else 0.0 for t, b in zip(tokens, busy)]
+
+
 def ablate_prefix_caching(llm_on: Any, llm_off: Any, workloads: list[Workload]) -> AblationResult:
-    """Run each workload through both engines, alternating which goes first, and collect output tok/s.
+    """Each workload through both engines in lockstep; output tok/s of each.
 
     The workloads must share nothing with each other or within themselves (use a fresh seed for
     each), so the engine with caching on pays for hashing and caching and never gets a hit.
     """
     on: list[float] = []
     off: list[float] = []
-    for i, w in enumerate(workloads):
-        order = [(llm_on, on), (llm_off, off)]
-        for llm, sink in order if i % 2 == 0 else order[::-1]:
-            sink.append(run_kvstrata(llm, w).output_tokens_per_s)
+    for w in workloads:
+        a, b = run_lockstep([llm_on, llm_off], w)
+        on.append(a)
+        off.append(b)
     return AblationResult(on, off)
