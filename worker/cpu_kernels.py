@@ -36,7 +36,7 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11", "-s
 class CpuKernels:
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
-        args = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+        args = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float]
         for fn in (lib.kvs_paged_decode_f32, lib.kvs_paged_decode_bf16):
             fn.argtypes = args
             fn.restype = None
@@ -55,15 +55,19 @@ class CpuKernels:
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("paged_decode needs contiguous K/V caches")
-        qf = q.float().contiguous()  # only pointers cross into C: every buffer must be dense
-        tables = block_tables.to(torch.int64).contiguous()
-        lens = seq_lens.to(torch.int64).contiguous()
-        out = torch.empty_like(qf)
+        # only pointers cross into C, so every buffer must be dense (a float32 q may skip rows: a
+        # view into the fused q/k projection is read in place)
+        if q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim:
+            qf = q
+        else:
+            qf = q.float().contiguous()
+        tables = _dense_int64(block_tables)
+        lens = _dense_int64(seq_lens)
+        out = torch.empty((batch, num_heads, head_dim), dtype=torch.float32)
         fn = self._lib.kvs_paged_decode_bf16 if k_cache.dtype == torch.bfloat16 else self._lib.kvs_paged_decode_f32
-        fn(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        fn(qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
            out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], scale)
-        return out.to(q.dtype)
-
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [M, K] (M small, 1 is the case it is for) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
@@ -71,12 +75,17 @@ class CpuKernels:
             raise ValueError("gemv needs a contiguous float32 or bfloat16 weight")
         m, k = x.shape
         n = weight.shape[0]
-        xf = x.float().contiguous()  # kept alive across the call: C only gets its pointer
-        bf = bias.float().contiguous() if bias is not None else None
+        # xf and bf stay referenced across the call: C only gets their pointers
+        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        bf = None if bias is None else bias.float().contiguous()
         y = torch.empty((m, n), dtype=torch.float32)
         fn = self._lib.kvs_gemv_bf16 if weight.dtype == torch.bfloat16 else self._lib.kvs_gemv_f32
-        fn(xf.data_ptr(), weight.data_ptr(), bf.data_ptr() if bf is not None else None, y.data_ptr(), m, n, k)
-        return y.to(x.dtype)
+        fn(xf.data_ptr(), weight.data_ptr(), None if bf is None else bf.data_ptr(), y.data_ptr(), m, n, k)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def _dense_int64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 def _cpu_signature() -> str:

@@ -53,7 +53,7 @@ def _add_roofline(bench_sub) -> None:
 
 
 def run_roofline_cmd(args: argparse.Namespace) -> int:
-    from kvstrata.cluster.bench.roofline import bench_decode, decode_tokens_needed, measure_peaks
+    from kvstrata.cluster.bench.roofline import PeakProbe, bench_decode, decode_tokens_needed, measure_peaks
     from kvstrata.worker.llm import LLM
 
     if args.quick:
@@ -71,7 +71,9 @@ def run_roofline_cmd(args: argparse.Namespace) -> int:
         max_len = args.prompt_len + decode_tokens_needed(max_batch, args.steps)
         blocks = max_batch * (-(-max_len // 16)) + 16
         llm = LLM(args.model, dtype=d, num_gpu_blocks=blocks)
-        for r in bench_decode(llm, d, peaks, args.batches, args.prompt_len, args.steps):
+        probe = PeakProbe(d, read_bytes=(16 << 20) if args.quick else (256 << 20),
+                          matmul_size=256 if args.quick else 2048)
+        for r in bench_decode(llm, d, args.batches, args.prompt_len, args.steps, probe):
             results.append(r)
             print(f"{d:<10}{r.batch:>6}{r.context_len:>9}{r.step_s * 1e3:>10.2f}{r.bound_s * 1e3:>10.2f}"
                   f"{r.bound_kind:>9}{r.ratio:>8.2f}")
@@ -129,9 +131,11 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         return _run_ablation(args)
     workload = WORKLOADS[args.workload](num_requests=args.num_requests, seed=args.seed)
     llm = LLM(args.model, dtype=args.dtype)
+    # peaks measured just before and just after the run; the bound uses the better of the two
+    before = None if args.no_bound else _measure_peaks(args.dtype, args.quick)
     report = ThroughputReport(workload.name, run_kvstrata(llm, workload))
-    if not args.no_bound:
-        report.bound = _workload_bound(llm, workload, args.dtype, args.quick)
+    if before is not None:
+        report.bound = _workload_bound(llm, workload, args.dtype, [before, _measure_peaks(args.dtype, args.quick)])
     if args.baseline == "hf":
         hf = load_hf_model(args.model, args.dtype)
         if "generate" in modes:
@@ -146,14 +150,21 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _workload_bound(llm, workload, dtype: str, quick: bool):
-    from kvstrata.cluster.bench.roofline import ModelCost, measure_peaks
-    from kvstrata.cluster.bench.throughput import Bound
+def _measure_peaks(dtype: str, quick: bool):
+    from kvstrata.cluster.bench.roofline import measure_peaks
 
     if quick:
-        peaks = measure_peaks((dtype,), matmul_sizes=(256,), bandwidth_bytes=64 << 20, repeats=2)
-    else:
-        peaks = measure_peaks((dtype,))
+        return measure_peaks((dtype,), matmul_sizes=(256,), bandwidth_bytes=64 << 20, repeats=2)
+    return measure_peaks((dtype,))
+
+
+def _workload_bound(llm, workload, dtype: str, measured: list):
+    from kvstrata.cluster.bench.roofline import MachinePeaks, ModelCost
+    from kvstrata.cluster.bench.throughput import Bound
+
+    best_flops = max(measured, key=lambda p: p.flops_per_s(dtype)).matmul
+    best_read = max(p.read_bytes_per_s for p in measured)
+    peaks = MachinePeaks(best_flops, best_read, max(p.copy_bytes_per_s for p in measured))
     work = ModelCost(llm.engine.config, dtype).workload(workload, llm.engine.kv.block_size)
     return Bound(work.bound_s(peaks, dtype), work.bound_kind(peaks, dtype), work.flops, work.bytes)
 

@@ -92,6 +92,32 @@ def measure_peaks(dtypes: tuple[str, ...] = ("float32", "bfloat16"), matmul_size
     return MachinePeaks(matmul, read, copy)
 
 
+class PeakProbe:
+    """Short peak measurements taken between timed steps, so each step is judged against the machine
+    as it was at that moment (a shared host's bandwidth drifts by half from minute to minute).
+
+    One probe: a streaming read of `read_bytes` and one square matmul of `matmul_size` through the
+    engine's projection backend; each keeps the best of the probes seen so far in its step's window.
+    """
+
+    def __init__(self, dtype: str, read_bytes: int = 256 << 20, matmul_size: int = 2048):
+        from kvstrata.worker.linear import select_linear
+
+        td = DTYPES[dtype]
+        self.dtype = dtype
+        self._buf = torch.ones(read_bytes // 4, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(0)
+        self._a = torch.randn(matmul_size, matmul_size, generator=gen).to(td)
+        self._b = torch.randn(matmul_size, matmul_size, generator=gen).to(td)
+        self._linear = select_linear(torch.device("cpu"), td)
+        self._flops = 2 * matmul_size**3
+
+    def measure(self) -> MachinePeaks:
+        read = self._buf.numel() * 4 / median_time(lambda: self._buf.sum(), repeats=1, warmup=0)
+        flops = self._flops / median_time(lambda: self._linear(self._a, self._b, None), repeats=1, warmup=0)
+        return MachinePeaks({self.dtype: MatmulPeak(self.dtype, flops, {"engine": flops})}, read, read)
+
+
 # -- work model ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -176,8 +202,8 @@ class DecodeStepResult:
     dtype: str
     batch: int
     context_len: int  # mean keys each sequence attends to in the median step
-    step_s: float  # the median timed step
-    bound_s: float
+    step_s: float  # the timed step whose ratio is the median
+    bound_s: float  # its bound, from the peak probes taken around it
     bound_kind: str  # "compute" or "memory"
 
     @property
@@ -189,12 +215,13 @@ class DecodeStepResult:
 
 
 def time_decode_steps(llm, batch: int, prompt_len: int, num_steps: int, seed: int = 0,
-                      clock: Callable[[], float] = time.perf_counter) -> list[tuple[float, int]]:
+                      clock: Callable[[], float] = time.perf_counter,
+                      between_steps: Callable[[], object] | None = None) -> list[tuple[float, int]]:
     """(seconds, keys attended in total) of `num_steps` engine steps with `batch` sequences all decoding.
 
     Every sequence gets its own random prompt (no prefix sharing). The sequences admitted first
     start decoding while later ones still prefill, so contexts differ by a few tokens; each step's
-    total is measured, not assumed.
+    total is measured, not assumed. `between_steps` runs (untimed) before every timed step.
     """
     import random
 
@@ -221,6 +248,8 @@ def time_decode_steps(llm, batch: int, prompt_len: int, num_steps: int, seed: in
                 raise RuntimeError(f"expected {batch} sequences decoding, found {len(running)}; "
                                    f"the KV pool is too small for this batch")
             keys = sum(r.num_tokens for r in running)  # each attends to its tokens, the new one included
+            if between_steps is not None:
+                between_steps()
             t0 = clock()
             engine.step()
             steps.append((clock() - t0, keys))
@@ -235,14 +264,29 @@ def decode_tokens_needed(batch: int, num_steps: int) -> int:
     return num_steps + batch + 2
 
 
-def bench_decode(llm, dtype: str, peaks: MachinePeaks, batches: tuple[int, ...], prompt_len: int,
-                 num_steps: int) -> list[DecodeStepResult]:
+def bench_decode(llm, dtype: str, batches: tuple[int, ...], prompt_len: int, num_steps: int,
+                 probe: PeakProbe) -> list[DecodeStepResult]:
+    """Each timed step is paired with a peak probe taken just before it; the step's bound uses the
+    better of that probe and the next one. The result is the step with the median ratio."""
     cost = ModelCost(llm.engine.config, dtype)
     results = []
     for b in batches:
-        steps = sorted(time_decode_steps(llm, b, prompt_len, num_steps))
-        step_s, keys = steps[len(steps) // 2]  # the median step (upper median for an even count)
-        work = cost.decode_step(b, keys / b)
-        results.append(DecodeStepResult(dtype, b, round(keys / b), step_s, work.bound_s(peaks, dtype),
-                                        work.bound_kind(peaks, dtype)))
+        probes: list[MachinePeaks] = []
+        steps = time_decode_steps(llm, b, prompt_len, num_steps, between_steps=lambda: probes.append(probe.measure()))
+        probes.append(probe.measure())
+        rows = []
+        for i, (step_s, keys) in enumerate(steps):
+            peaks = _best(probes[i], probes[i + 1], dtype)
+            work = cost.decode_step(b, keys / b)
+            rows.append((step_s / work.bound_s(peaks, dtype), step_s, keys, work.bound_s(peaks, dtype),
+                         work.bound_kind(peaks, dtype)))
+        rows.sort()
+        _, step_s, keys, bound_s, kind = rows[len(rows) // 2]
+        results.append(DecodeStepResult(dtype, b, round(keys / b), step_s, bound_s, kind))
     return results
+
+
+def _best(a: MachinePeaks, b: MachinePeaks, dtype: str) -> MachinePeaks:
+    flops = max(a.flops_per_s(dtype), b.flops_per_s(dtype))
+    read = max(a.read_bytes_per_s, b.read_bytes_per_s)
+    return MachinePeaks({dtype: MatmulPeak(dtype, flops, {"engine": flops})}, read, read)

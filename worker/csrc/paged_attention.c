@@ -5,7 +5,7 @@
  * gathered or copied and every K/V byte is read exactly once per step.
  *
  *   k_cache, v_cache: [num_blocks, block_size, Hkv, D]   (fp32, or bf16 stored as uint16)
- *   q, out:           [B, H, D] float32 (the caller converts bf16 queries and outputs)
+ *   q, out:           [B, H, D] float32 (the caller converts bf16); q's rows are q_stride floats apart
  *   block_tables:     [B, W] int64, seq_lens: [B] int64 (tokens to attend, this step's included)
  *
  */
@@ -151,7 +151,7 @@ static inline __attribute__((always_inline)) void decode_heads(
 }
 
 static inline __attribute__((always_inline)) void decode_all(
-    const float *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
+    const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int64_t *block_tables,
     const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
     int64_t d, int64_t bs, int64_t width, float scale, int is_bf16) {
     int64_t group = num_heads / num_kv_heads;
@@ -166,7 +166,7 @@ static inline __attribute__((always_inline)) void decode_all(
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < batch * tasks_per_seq; task++) {
             int64_t b = task / tasks_per_seq, h0 = (task % tasks_per_seq) * heads_per_task;
-            decode_heads(q + b * num_heads * d, k_cache, v_cache, block_tables + b * width, seq_lens[b],
+            decode_heads(q + b * q_stride, k_cache, v_cache, block_tables + b * width, seq_lens[b],
                          out + b * num_heads * d, h0, h0 + heads_per_task, num_kv_heads, group, d, bs, scale,
                          is_bf16, work);
         }
@@ -174,34 +174,34 @@ static inline __attribute__((always_inline)) void decode_all(
     }
 }
 
-void kvs_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+void kvs_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                           const int64_t *block_tables, const int64_t *seq_lens, float *out,
                           int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs,
                           int64_t width, float scale) {
     /* constant head sizes let the compiler unroll the per-row loops completely */
     if (d == 64)
-        decode_all(q, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, 64, bs,
+        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, 64, bs,
                    width, scale, 0);
     else if (d == 128)
-        decode_all(q, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, 128, bs,
+        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, 128, bs,
                    width, scale, 0);
     else
-        decode_all(q, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
+        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
                    width, scale, 0);
 }
 
-void kvs_paged_decode_bf16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+void kvs_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *block_tables, const int64_t *seq_lens, float *out,
                            int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs,
                            int64_t width, float scale) {
     /* constant head sizes let the compiler unroll the per-row loops completely */
     if (d == 64)
-        decode_all(q, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, 64, bs,
+        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, 64, bs,
                    width, scale, 1);
     else if (d == 128)
-        decode_all(q, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, 128, bs,
+        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, 128, bs,
                    width, scale, 1);
     else
-        decode_all(q, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
+        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
                    width, scale, 1);
 }
