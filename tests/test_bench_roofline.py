@@ -79,7 +79,7 @@ def test_median_time_uses_the_injected_clock():
 
 def test_peak_measurements_are_positive_and_name_their_backends():
     m = measure_matmul("float32", sizes=(128,), repeats=1)
-    assert m.flops_per_s > 0 and set(m.by_backend) == {"torch.matmul", "engine"}
+    assert m.flops_per_s > 0 and "torch.matmul" in m.by_backend and set(m.by_backend) <= {"torch.matmul", "onednn", "packed"}
     assert m.flops_per_s == max(m.by_backend.values())
     read, copy = measure_bandwidth(8 << 20, repeats=1)
     assert read > 0 and copy > 0

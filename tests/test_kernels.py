@@ -1,4 +1,4 @@
-"""The CPU hot-path pieces against plain-torch references: the C GEMV, the projection backends, RoPE,
+"""The CPU hot-path pieces against plain-torch references: the packed GEMM, the projection backends, RoPE,
 and the kernel build itself (cached, and skipped cleanly when switched off)."""
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler")
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k", [(1, 960, 576), (1, 7, 13), (3, 33, 64), (1, 1, 1)])
+@pytest.mark.parametrize("m,n,k", [(1, 960, 576), (1, 7, 13), (3, 33, 64), (1, 1, 1), (7, 48, 20), (50, 40, 9),
+                                   (0, 16, 4)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemv_matches_linear(dtype, m, n, k, with_bias):
+def test_packed_gemm_matches_linear(dtype, m, n, k, with_bias):
+    """Row counts across micro-tiles (6) and row blocks (48); column counts off the 16-wide panels."""
     gen = torch.Generator().manual_seed(m * 100 + n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    got = KERNELS.gemv(x, w, b)
+    got = KERNELS.gemm(x, KERNELS.pack(w), b)
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
     assert got.shape == (m, n) and got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -33,18 +35,33 @@ def test_gemv_matches_linear(dtype, m, n, k, with_bias):
 
 
 @needs_kernels
-def test_gemv_rejects_strided_weights():
-    with pytest.raises(ValueError, match="contiguous"):
-        KERNELS.gemv(torch.randn(1, 4), torch.randn(4, 8)[:, ::2], None)
+def test_packed_gemm_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="columns"):
+        KERNELS.gemm(torch.randn(2, 5), KERNELS.pack(torch.randn(4, 8)), None)
+    with pytest.raises(ValueError, match="pack"):
+        KERNELS.pack(torch.randn(4, 8).half())
 
 
-@pytest.mark.parametrize("backend", ["auto", "onednn", "torch"])
-@pytest.mark.parametrize("rows", [0, 1, 5])
+@pytest.mark.parametrize("backend", ["auto", "packed", "onednn", "torch"])
+@pytest.mark.parametrize("rows", [0, 1, 5, 70])
 def test_linear_backends_agree(backend, rows):
+    if backend == "packed" and KERNELS is None:
+        pytest.skip("no C compiler")
     gen = torch.Generator().manual_seed(rows)
     x, w, b = torch.randn(rows, 24, generator=gen), torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
-    fn = select_linear(torch.device("cpu"), torch.float32, backend)
-    torch.testing.assert_close(fn(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    lin = select_linear(torch.device("cpu"), torch.float32, backend)
+    assert backend == "auto" or lin.name == backend
+    torch.testing.assert_close(lin(x, lin.prepare(w), b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 8, 9, 40])
+def test_bf16_auto_backend_switches_on_row_count(rows):
+    lin = select_linear(torch.device("cpu"), torch.bfloat16, "auto")
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 32, generator=gen).bfloat16(), torch.randn(48, 32, generator=gen).bfloat16()
+    ref = F.linear(x.float(), w.float())
+    torch.testing.assert_close(lin(x, lin.prepare(w), None).float(), ref, rtol=3e-2, atol=0.2)
 
 
 def test_linear_backend_errors_name_the_choice():

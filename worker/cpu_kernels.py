@@ -1,9 +1,10 @@
 """C kernels for the CPU hot path, built with the system C compiler on first use and called through ctypes.
 
 The paged decode attention kernel reads K/V in place from the block pool instead of gathering
-them into a padded copy, which on CPU costs more than the attention itself. The one-row projection
-(a decode step of one sequence) streams its weights at close to memory bandwidth, where the BLAS
-paths reach about two thirds of it. The shared object is
+them into a padded copy, which on CPU costs more than the attention itself. The projection kernel
+multiplies by weights packed once at load into 16-column panels; at decode shapes it runs 1.5-2x
+faster than oneDNN, which repacks on every call, and at one row it streams the weights at close to
+memory bandwidth. The shared object is
 built once per source, flags and CPU into the kvstrata cache directory (atomically, so concurrent
 workers are safe), and links against the OpenMP runtime torch has already loaded, so both share
 one thread pool. Without a compiler, or with KVSTRATA_CPU_KERNELS=0, `load_cpu_kernels()` returns
@@ -21,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +31,7 @@ from kvstrata.worker.gguf_loader import cache_root
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "gemv.c")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "gemm.c")]
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11", "-shared", "-fPIC"]
 
 
@@ -40,9 +42,11 @@ class CpuKernels:
         for fn in (lib.kvs_paged_decode_f32, lib.kvs_paged_decode_bf16):
             fn.argtypes = args
             fn.restype = None
-        for fn in (lib.kvs_gemv_f32, lib.kvs_gemv_bf16):
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        for fn in (lib.kvs_gemm_f32, lib.kvs_gemm_bf16):
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
             fn.restype = None
+        lib.kvs_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
+        lib.kvs_pack.restype = None
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int) -> bool:
@@ -69,19 +73,43 @@ class CpuKernels:
            out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], scale)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
-    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x: [M, K] (M small, 1 is the case it is for) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
-        if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous():
-            raise ValueError("gemv needs a contiguous float32 or bfloat16 weight")
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
+        """weight [N, K] (float32 or bfloat16) -> panels of 16 output columns, ready for `gemm`."""
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2:
+            raise ValueError(f"can only pack 2-D float32 or bfloat16 weights, not {weight.dtype} {tuple(weight.shape)}")
+        w = weight.contiguous()
+        n, k = w.shape
+        panels = -(-n // 16)
+        data = torch.empty(panels * k * 16, dtype=w.dtype)
+        self._lib.kvs_pack(w.data_ptr(), data.data_ptr(), n, k, w.element_size())
+        return PackedWeight(data, n, k)
+
+    def gemm(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """x: [M, K] @ packed [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
         m, k = x.shape
-        n = weight.shape[0]
+        if k != weight.k:
+            raise ValueError(f"x has {k} columns but the weight expects {weight.k}")
         # xf and bf stay referenced across the call: C only gets their pointers
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         bf = None if bias is None else bias.float().contiguous()
-        y = torch.empty((m, n), dtype=torch.float32)
-        fn = self._lib.kvs_gemv_bf16 if weight.dtype == torch.bfloat16 else self._lib.kvs_gemv_f32
-        fn(xf.data_ptr(), weight.data_ptr(), None if bf is None else bf.data_ptr(), y.data_ptr(), m, n, k)
+        width = -(-weight.n // 16) * 16
+        y = torch.empty((m, width), dtype=torch.float32)
+        if m:
+            fn = self._lib.kvs_gemm_bf16 if weight.data.dtype == torch.bfloat16 else self._lib.kvs_gemm_f32
+            fn(xf.data_ptr(), weight.data.data_ptr(), None if bf is None else bf.data_ptr(), y.data_ptr(),
+               m, weight.n, k, width)
+        if width != weight.n:
+            y = y[:, : weight.n]
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [n, k] weight in 16-column panels (see csrc/gemm.c); `data` keeps its dtype."""
+
+    data: torch.Tensor
+    n: int
+    k: int
 
 
 def _dense_int64(t: torch.Tensor) -> torch.Tensor:

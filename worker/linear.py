@@ -1,24 +1,32 @@
-"""Dense projections: oneDNN on CPU where torch ships it, `F.linear` everywhere else.
+"""Dense projections: one backend per model, chosen at load, which may re-lay the weights out once.
 
 On this project's reference CPU (AMD, AVX-512), torch's default fp32 GEMM path (MKL) reaches about
-40% of the cores' FLOP/s, and less at the small row counts of a decode step; oneDNN's
-`_linear_pointwise` reaches 2-3x that on the same weights. One to three rows (that many sequences
-decoding) go to the C GEMV kernel where it builds, which streams weights faster than either. The results
-agree with `F.linear` to float rounding; the backend is chosen once per model.
+40% of the cores' FLOP/s, and oneDNN about twice that on large products but much less at the small
+row counts of a decode step, because it repacks the weights on every call. So on CPU the weights
+are packed once into 16-column panels and multiplied by a C kernel (`packed`). In bf16, oneDNN's
+bf16 dot-product instructions win from about 8 rows on, so bf16 keeps both layouts. oneDNN
+(`onednn`) and plain `F.linear` (`torch`) remain for machines without a C compiler and for GPUs.
+Results agree with `F.linear` to float rounding.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-# Up to this many rows, the C GEMV (one pass over the weights) beats oneDNN on the reference CPU,
-# in fp32 and bf16 alike; from 4 rows on oneDNN's blocking wins.
-GEMV_MAX_ROWS = 3
+BACKENDS = ("auto", "packed", "onednn", "torch")
 
-LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+class TorchLinear:
+    name = "torch"
+
+    def prepare(self, weight: torch.Tensor) -> Any:
+        return weight
+
+    def __call__(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
 
 
 def padded_rows(m: int) -> int:
@@ -28,19 +36,55 @@ def padded_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # x: [T, K], weight: [N, K] -> [T, N]
-    m = x.shape[0]
-    if m == 0:
-        return F.linear(x, weight, bias)
-    # oneDNN builds (JIT-compiles) a kernel for every new row count, which costs more than the
-    # product itself at these sizes; padding to a bucket lets the primitive cache hit
-    padded = padded_rows(m)
-    if padded != m:
-        xp = x.new_zeros((padded, x.shape[1]))
-        xp[:m] = x
-        return torch.ops.mkldnn._linear_pointwise(xp, weight, bias, "none", [], "")[:m]
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+class OneDNNLinear(TorchLinear):
+    name = "onednn"
+
+    def __call__(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        # x: [T, K], weight: [N, K] -> [T, N]
+        m = x.shape[0]
+        if m == 0:
+            return F.linear(x, weight, bias)
+        # oneDNN builds (JIT-compiles) a kernel for every new row count, which costs more than the
+        # product itself at these sizes; padding to a bucket lets its primitive cache hit
+        padded = padded_rows(m)
+        if padded != m:
+            xp = x.new_zeros((padded, x.shape[1]))
+            xp[:m] = x
+            return torch.ops.mkldnn._linear_pointwise(xp, weight, bias, "none", [], "")[:m]
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class PackedLinear:
+    name = "packed"
+
+    def __init__(self, kernels: Any):
+        self.kernels = kernels
+
+    def prepare(self, weight: torch.Tensor) -> Any:
+        return self.kernels.pack(weight)
+
+    def __call__(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.kernels.gemm(x, weight, bias)
+
+
+class HybridLinear:
+    """bf16: packed panels for a few rows (streaming the weights), oneDNN beyond, whose bf16 dot-product
+    instructions do twice the FLOPs of the packed kernel's widen-and-FMA. Holds both layouts."""
+
+    name = "packed+onednn"
+    max_packed_rows = 8
+
+    def __init__(self, packed: PackedLinear):
+        self.packed = packed
+        self.onednn = OneDNNLinear()
+
+    def prepare(self, weight: torch.Tensor) -> Any:
+        return self.packed.prepare(weight), weight
+
+    def __call__(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] <= self.max_packed_rows:
+            return self.packed(x, weight[0], bias)
+        return self.onednn(x, weight[1], bias)
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -52,25 +96,27 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def select_linear(device: torch.device, dtype: torch.dtype, backend: str = "auto") -> LinearFn:
-    """backend: "auto" (oneDNN where available), "onednn" (required) or "torch" (`F.linear`)."""
-    if backend not in ("auto", "onednn", "torch"):
-        raise ValueError(f"linear_backend must be 'auto', 'onednn' or 'torch', not {backend!r}")
-    usable = onednn_available(device, dtype)
-    if backend == "onednn" and not usable:
+def select_linear(device: torch.device, dtype: torch.dtype,
+                  backend: str = "auto") -> TorchLinear | PackedLinear | HybridLinear:
+    """backend: "auto" (packed, else oneDNN, else torch; in bf16 packed for few rows and oneDNN for
+    many), or one of "packed", "onednn", "torch" (required)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"linear_backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    cpu_16_32 = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    if backend in ("auto", "packed") and cpu_16_32:
+        from kvstrata.worker.cpu_kernels import load_cpu_kernels
+
+        kernels = load_cpu_kernels()
+        if kernels is not None:
+            if dtype == torch.bfloat16 and backend == "auto" and onednn_available(device, dtype):
+                return HybridLinear(PackedLinear(kernels))
+            return PackedLinear(kernels)
+    if backend == "packed":
+        raise ValueError(f"linear_backend 'packed' needs a CPU, fp32 or bf16, and a C compiler "
+                         f"(not {device.type}/{dtype})")
+    if backend == "onednn" and not onednn_available(device, dtype):
         raise ValueError(f"linear_backend 'onednn' needs a CPU torch build with oneDNN and fp32/bf16, "
                          f"not {device.type}/{dtype}")
-    if backend == "torch" or not usable:
-        return F.linear
-    from kvstrata.worker.cpu_kernels import load_cpu_kernels
-
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        return _onednn_linear
-
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] <= GEMV_MAX_ROWS and weight.dtype == x.dtype:
-            return kernels.gemv(x, weight, bias)
-        return _onednn_linear(x, weight, bias)
-
-    return linear
+    if backend in ("auto", "onednn") and onednn_available(device, dtype):
+        return OneDNNLinear()
+    return TorchLinear()

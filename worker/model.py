@@ -8,6 +8,7 @@ fused into one matmul each.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,13 +21,15 @@ from kvstrata.worker.rope import RotaryEmbedding
 
 @dataclass(slots=True)
 class LayerWeights:
+    """Projection weights are as the linear backend prepared them (a tensor, or packed panels)."""
+
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(H + 2 Hkv) * D, hidden]
+    qkv: Any  # [(H + 2 Hkv) * D, hidden]
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor  # [hidden, H * D]
+    o_proj: Any  # [hidden, H * D]
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * inter, hidden]
-    down: torch.Tensor  # [hidden, inter]
+    gate_up: Any  # [2 * inter, hidden]
+    down: Any  # [hidden, inter]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,10 +55,12 @@ class LlamaModel:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
+        linear = self.linear = select_linear(device, dtype, linear_backend)
         self.embed = w("model.embed_tokens.weight")  # [V, hidden]
         if self.embed.shape[0] != c.vocab_size or self.embed.shape[1] != c.hidden_size:
             raise ValueError(f"embedding shape {tuple(self.embed.shape)} does not match the config")
-        self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
+        head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
+        self.lm_head = linear.prepare(head)
         self.norm = w("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
@@ -67,17 +72,17 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                    qkv=linear.prepare(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"),
+                                                  w(a + "v_proj.weight")])),
                     qkv_bias=bias,
-                    o_proj=w(a + "o_proj.weight"),
+                    o_proj=linear.prepare(w(a + "o_proj.weight")),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                    down=w(p + "mlp.down_proj.weight"),
+                    gate_up=linear.prepare(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                    down=linear.prepare(w(p + "mlp.down_proj.weight")),
                 )
             )
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                     c.rope_scaling, dtype, device)
-        self.linear = select_linear(device, dtype, linear_backend)
         self.scale = c.head_dim**-0.5
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim

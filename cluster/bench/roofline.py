@@ -4,7 +4,7 @@ whole workload cannot avoid, so that measured times can be quoted as a ratio to 
     bound = max(FLOPs / peak FLOP/s, bytes read / bandwidth)
 
 Peaks are measured, never assumed: the best of torch's own matmul and the engine's projection
-backend on large square matrices, and a streaming read (a sum over a tensor far larger than the
+backends (oneDNN, packed) on large square matrices, and a streaming read (a sum over a tensor far larger than the
 last-level cache). The work model counts what any engine must do: every projection and attention
 FLOP of the tokens it computes (prefix-cache hits are not computed), and, per forward pass, all
 weights plus the KV cache of every decoding sequence read from memory.
@@ -31,7 +31,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class MatmulPeak:
     dtype: str
     flops_per_s: float  # the best of the backends below
-    by_backend: dict[str, float]  # "torch.matmul" / "engine" -> FLOP/s at the best size
+    by_backend: dict[str, float]  # "torch.matmul" / "onednn" / "packed" -> FLOP/s at the best size
 
 
 @dataclass(frozen=True)
@@ -64,14 +64,25 @@ def measure_matmul(dtype: str, sizes: tuple[int, ...] = (2048, 4096), repeats: i
     from kvstrata.worker.linear import select_linear
 
     td = DTYPES[dtype]
-    engine_linear = select_linear(torch.device("cpu"), td)
+    cpu = torch.device("cpu")
+    backends = {"torch.matmul": None}
+    for name in ("onednn", "packed"):
+        try:
+            backends[name] = select_linear(cpu, td, name)
+        except ValueError:  # not on this machine
+            pass
     best: dict[str, float] = {}
     gen = torch.Generator().manual_seed(0)
     for n in sizes:
         a = torch.randn(n, n, generator=gen).to(td)
         b = torch.randn(n, n, generator=gen).to(td)
         flops = 2 * n**3
-        for name, fn in (("torch.matmul", lambda: torch.matmul(a, b)), ("engine", lambda: engine_linear(a, b, None))):
+        for name, lin in backends.items():
+            if lin is None:
+                fn = lambda: torch.matmul(a, b)  # noqa: E731
+            else:
+                w = lin.prepare(b)
+                fn = lambda: lin(a, w, None)  # noqa: E731
             best[name] = max(best.get(name, 0.0), flops / median_time(fn, repeats))
     return MatmulPeak(dtype, max(best.values()), best)
 
@@ -110,11 +121,12 @@ class PeakProbe:
         self._a = torch.randn(matmul_size, matmul_size, generator=gen).to(td)
         self._b = torch.randn(matmul_size, matmul_size, generator=gen).to(td)
         self._linear = select_linear(torch.device("cpu"), td)
+        self._w = self._linear.prepare(self._b)
         self._flops = 2 * matmul_size**3
 
     def measure(self) -> MachinePeaks:
         read = self._buf.numel() * 4 / median_time(lambda: self._buf.sum(), repeats=1, warmup=0)
-        flops = self._flops / median_time(lambda: self._linear(self._a, self._b, None), repeats=1, warmup=0)
+        flops = self._flops / median_time(lambda: self._linear(self._a, self._w, None), repeats=1, warmup=0)
         return MachinePeaks({self.dtype: MatmulPeak(self.dtype, flops, {"engine": flops})}, read, read)
 
 
