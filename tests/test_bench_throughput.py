@@ -146,3 +146,20 @@ def test_bench_throughput_ablation_and_bound_cli_tiny(tmp_path):
     assert j["bound"]["seconds"] > 0 and j["bound"]["kind"] in ("compute", "memory")
     assert j["bound_ratio"] == pytest.approx(j["kvstrata"]["wall_s"] / j["bound"]["seconds"], rel=0.01)
     assert "roofline bound" in r.stdout
+
+
+def test_rounds_summary_takes_medians_of_per_round_ratios():
+    from kvstrata.cluster.bench.cli import summarize_rounds
+    from kvstrata.cluster.bench.throughput import Bound
+
+    reports = []
+    for wall, hf_wall in ((2.0, 10.0), (4.0, 10.0), (1.0, 4.0)):
+        ours = RunResult("kvstrata", wall, 4, 400, 100, [wall] * 4)
+        rep = ThroughputReport("w", ours, [RunResult("hf", hf_wall, 4, 400, 100, [hf_wall] * 4)])
+        rep.bound = Bound(1.0, "compute", 1.0, 1.0)
+        reports.append(rep)
+    s = summarize_rounds(reports)
+    assert len(s["rounds"]) == 3
+    assert s["median_ratio_output_tokens_per_s"] == pytest.approx(4.0)  # ratios 5, 2.5, 4
+    assert s["median_bound_ratio"] == pytest.approx(2.0)  # walls 2, 4, 1 over a 1 s bound
+    assert s["kvstrata"]["wall_s"] == 1.0  # the last round's report is the top level

@@ -108,6 +108,9 @@ def _add_throughput(bench_sub) -> None:
                         "seeds of the workload and report what caching costs (use a workload with no sharing, "
                         "e.g. random)")
     p.add_argument("--repeats", type=positive_int, default=5, help="seeds for --ablate-prefix-caching")
+    p.add_argument("--rounds", type=positive_int, default=1,
+                   help="run the whole comparison this many times (prefix cache reset each time) and report "
+                        "the median ratios")
     p.set_defaults(func=run_throughput_cmd)
 
 
@@ -131,23 +134,48 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         return _run_ablation(args)
     workload = WORKLOADS[args.workload](num_requests=args.num_requests, seed=args.seed)
     llm = LLM(args.model, dtype=args.dtype)
-    # peaks measured just before and just after the run; the bound uses the better of the two
-    before = None if args.no_bound else _measure_peaks(args.dtype, args.quick)
-    report = ThroughputReport(workload.name, run_kvstrata(llm, workload))
-    if before is not None:
-        report.bound = _workload_bound(llm, workload, args.dtype, [before, _measure_peaks(args.dtype, args.quick)])
-    if args.baseline == "hf":
-        hf = load_hf_model(args.model, args.dtype)
-        if "generate" in modes:
-            report.baselines.append(run_hf_static(hf, workload, batch_size=args.hf_batch_size))
-        if "generate_batch" in modes:
-            report.baselines.append(run_hf_continuous(hf, workload))
-    print(format_report(report))
+    hf = load_hf_model(args.model, args.dtype) if args.baseline == "hf" else None
+    reports = []
+    for _ in range(args.rounds):
+        llm.reset_prefix_cache()  # every round starts cold, so hits come from the workload alone
+        # peaks measured just before and just after the run; the bound uses the better of the two
+        before = None if args.no_bound else _measure_peaks(args.dtype, args.quick)
+        report = ThroughputReport(workload.name, run_kvstrata(llm, workload))
+        if before is not None:
+            report.bound = _workload_bound(llm, workload, args.dtype, [before, _measure_peaks(args.dtype, args.quick)])
+        if hf is not None:
+            if "generate" in modes:
+                report.baselines.append(run_hf_static(hf, workload, batch_size=args.hf_batch_size))
+            if "generate_batch" in modes:
+                report.baselines.append(run_hf_continuous(hf, workload))
+        print(format_report(report), flush=True)
+        reports.append(report)
+    summary = summarize_rounds(reports)
+    if args.rounds > 1:
+        print(f"over {args.rounds} rounds: median kvstrata / best HF "
+              f"{_fmt(summary['median_ratio_output_tokens_per_s'], 'x')}, "
+              f"median wall / bound {_fmt(summary['median_bound_ratio'], 'x')}")
     if args.json:
-        args.json.write_text(json.dumps(report.to_json(), indent=1))
+        args.json.write_text(json.dumps(summary, indent=1))
     if args.plot:
-        plot_throughput(report, args.plot)
+        plot_throughput(reports[-1], args.plot)
     return 0
+
+
+def _fmt(value, unit: str) -> str:
+    return "-" if value is None else f"{value:.2f}{unit}"
+
+
+def summarize_rounds(reports: list) -> dict:
+    """The last round's report, plus every round and the medians of the per-round ratios."""
+    import statistics
+
+    rounds = [r.to_json() for r in reports]
+    ratios = [r["ratio_output_tokens_per_s"] for r in rounds if r["ratio_output_tokens_per_s"] is not None]
+    bounds = [r["bound_ratio"] for r in rounds if r["bound_ratio"] is not None]
+    return {**rounds[-1], "rounds": rounds,
+            "median_ratio_output_tokens_per_s": round(statistics.median(ratios), 3) if ratios else None,
+            "median_bound_ratio": round(statistics.median(bounds), 3) if bounds else None}
 
 
 def _measure_peaks(dtype: str, quick: bool):
