@@ -153,3 +153,19 @@ def test_engine_without_c_kernels_gives_the_same_greedy_tokens(llm, tmp_path):
     fallback = [json.loads(line)["token_ids"] for line in r.stdout.splitlines()]
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))]
     assert fallback == ours
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 100])
+def test_c_rms_norm_and_fused_residual_add_match_torch(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen)
+    res = torch.randn(rows, 576, generator=gen)
+    w = torch.randn(576, generator=gen)
+    torch.testing.assert_close(KERNELS.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    expected_res = res + x
+    out = KERNELS.add_rms_norm(x, res, w, 1e-5)
+    torch.testing.assert_close(res, expected_res, rtol=0, atol=0)  # the add is exact, and in place
+    torch.testing.assert_close(out, rms_norm(expected_res, w, 1e-5), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        KERNELS.add_rms_norm(x, res[:, :10], w, 1e-5)

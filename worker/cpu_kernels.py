@@ -31,7 +31,7 @@ from kvstrata.worker.gguf_loader import cache_root
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "gemm.c")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "gemm.c", "norm.c")]
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11", "-shared", "-fPIC"]
 
 
@@ -47,6 +47,9 @@ class CpuKernels:
             fn.restype = None
         lib.kvs_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
         lib.kvs_pack.restype = None
+        lib.kvs_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+        lib.kvs_add_rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+        lib.kvs_rms_norm_f32.restype = lib.kvs_add_rms_norm_f32.restype = None
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int) -> bool:
@@ -101,6 +104,30 @@ class CpuKernels:
         if width != weight.n:
             y = y[:, : weight.n]
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [T, n] float32 -> normalised and scaled copy."""
+        x = _dense_f32(x)
+        out = torch.empty_like(x)
+        self._lib.kvs_rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual += x in place (both [T, n] float32, residual dense); returns rms_norm(residual)."""
+        if residual.dtype != torch.float32 or not residual.is_contiguous() or residual.shape != x.shape:
+            raise ValueError("add_rms_norm needs a dense float32 residual of x's shape")
+        x = _dense_f32(x)
+        out = torch.empty_like(residual)
+        self._lib.kvs_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                       x.shape[0], x.shape[1], eps)
+        return out
+
+
+def _dense_f32(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype != torch.float32:
+        raise ValueError(f"expected float32, got {t.dtype}")
+    return t if t.is_contiguous() else t.contiguous()
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,12 @@ class LlamaModel:
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                     c.rope_scaling, dtype, device)
         self.scale = c.head_dim**-0.5
+        # fused C norms only in float32: 16-bit types keep HF's exact rounding order (rms_norm below)
+        self.cpu_kernels = None
+        if device.type == "cpu" and dtype == torch.float32:
+            from kvstrata.worker.cpu_kernels import load_cpu_kernels
+
+            self.cpu_kernels = load_cpu_kernels()
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
 
@@ -93,13 +99,14 @@ class LlamaModel:
         """input_ids, positions: [T]; kv_cache: [L, 2, num_blocks, block_size, Hkv, D] -> hidden [T, hidden]."""
         c = self.config
         linear = self.linear
-        h = F.embedding(input_ids, self.embed)  # [T, hidden]
-        num_tokens = h.shape[0]
+        # the residual stream: every sub-layer's output is added to it in place, fused with the
+        # norm that follows (one C pass in float32 on CPU)
+        residual = F.embedding(input_ids, self.embed)  # [T, hidden], a fresh tensor
+        num_tokens = residual.shape[0]
         cos, sin = self.rope.lookup(positions)
         qk_size = self.q_size + self.kv_size
+        x = self._rms_norm(residual, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
-            residual = h
-            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) * D]
             # queries and keys rotate together: [T, H + Hkv, D]
             qk = self.rope.rotate(qkv[:, :qk_size].view(num_tokens, -1, c.head_dim), cos, sin)
@@ -108,15 +115,30 @@ class LlamaModel:
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-            h = residual + linear(o.reshape(num_tokens, self.q_size), layer.o_proj, None)
-            residual = h
-            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            x = self._add_rms_norm(linear(o.reshape(num_tokens, self.q_size), layer.o_proj, None), residual,
+                                   layer.post_norm)
             gate, up = linear(x, layer.gate_up, None).chunk(2, dim=-1)
-            h = residual + linear(F.silu(gate) * up, layer.down, None)
-        return h
+            mlp = linear(F.silu(gate) * up, layer.down, None)
+            if i + 1 < len(self.layers):
+                x = self._add_rms_norm(mlp, residual, self.layers[i + 1].input_norm)
+            else:
+                residual.add_(mlp)
+        return residual
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels is not None:
+            return self.cpu_kernels.rms_norm(x, weight, self.config.rms_norm_eps)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place, as HF's `residual + x`), then the norm of the new residual."""
+        if self.cpu_kernels is not None:
+            return self.cpu_kernels.add_rms_norm(x, residual, weight, self.config.rms_norm_eps)
+        residual.add_(x)
+        return rms_norm(residual, weight, self.config.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows that are sampled) -> logits [N, V] in float32."""
-        x = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        x = self._rms_norm(hidden, self.norm)
         return self.linear(x, self.lm_head, None).float()
