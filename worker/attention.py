@@ -50,20 +50,14 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, D] -> out [T, H, D]; K/V for the new tokens must already be written."""
-    if meta.cpu_kernels is not None and not meta.prefills and meta.num_decodes == q.shape[0]:
-        # decode-only step (the common case): the kernel's output is the whole result
-        return meta.cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                             scale)
+    d = meta.num_decodes
+    decoded = _decode(q[:d], k_cache, v_cache, meta, scale) if d else None
+    if not meta.prefills and decoded is not None:
+        return decoded  # decode-only step (the common case): no copy into a shared output
     out = torch.empty_like(q)
     num_kv_heads = k_cache.shape[2]
-    if meta.num_decodes and meta.cpu_kernels is not None:
-        out[: meta.num_decodes] = meta.cpu_kernels.paged_decode(
-            q[: meta.num_decodes], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
-        )
-    elif meta.num_decodes:
-        out[: meta.num_decodes] = _decode_attention(
-            q[: meta.num_decodes], k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale
-        )
+    if decoded is not None:
+        out[:d] = decoded
     for p in meta.prefills:
         ctx = p.context_len
         # k, v: [ctx, Hkv, D] gathered from this request's blocks
@@ -74,6 +68,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             qc, k, v, ctx - p.num_tokens, num_kv_heads, scale
         )
     return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+            scale: float) -> torch.Tensor:
+    if meta.cpu_kernels is not None:
+        return meta.cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                             scale)
+    return _decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

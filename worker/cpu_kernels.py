@@ -50,8 +50,7 @@ class CpuKernels:
         lib.kvs_add_rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_rms_norm_f32.restype = lib.kvs_add_rms_norm_f32.restype = None
 
-    def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                 block_size: int) -> bool:
+    def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> bool:
         return dtype in (torch.float32, torch.bfloat16) and num_heads % num_kv_heads == 0
 
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

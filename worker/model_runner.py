@@ -48,8 +48,7 @@ class ModelRunner:
             device=model.device,
         )
         kernels = load_cpu_kernels() if self.device.type == "cpu" else None
-        if kernels is not None and not kernels.supports(model.dtype, c.num_heads, c.num_kv_heads, c.head_dim,
-                                                        block_size):
+        if kernels is not None and not kernels.supports(model.dtype, c.num_heads, c.num_kv_heads):
             kernels = None
         self.cpu_kernels = kernels
 

@@ -53,13 +53,10 @@ def _add_roofline(bench_sub) -> None:
 
 
 def run_roofline_cmd(args: argparse.Namespace) -> int:
-    from kvstrata.cluster.bench.roofline import PeakProbe, bench_decode, decode_tokens_needed, measure_peaks
+    from kvstrata.cluster.bench.roofline import PeakProbe, bench_decode, decode_tokens_needed
     from kvstrata.worker.llm import LLM
 
-    if args.quick:
-        peaks = measure_peaks(args.dtypes, matmul_sizes=(256,), bandwidth_bytes=64 << 20, repeats=2)
-    else:
-        peaks = measure_peaks(args.dtypes)
+    peaks = _measure_peaks(args.dtypes, args.quick)
     print(f"memory bandwidth: read {peaks.read_bytes_per_s / 1e9:.1f} GB/s, copy {peaks.copy_bytes_per_s / 1e9:.1f} GB/s")
     for d, m in peaks.matmul.items():
         backends = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in m.by_backend.items())
@@ -139,10 +136,10 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     for _ in range(args.rounds):
         llm.reset_prefix_cache()  # every round starts cold, so hits come from the workload alone
         # peaks measured just before and just after the run; the bound uses the better of the two
-        before = None if args.no_bound else _measure_peaks(args.dtype, args.quick)
+        before = None if args.no_bound else _measure_peaks((args.dtype,), args.quick)
         report = ThroughputReport(workload.name, run_kvstrata(llm, workload))
         if before is not None:
-            report.bound = _workload_bound(llm, workload, args.dtype, [before, _measure_peaks(args.dtype, args.quick)])
+            report.bound = _workload_bound(llm, workload, args.dtype, [before, _measure_peaks((args.dtype,), args.quick)])
         if hf is not None:
             if "generate" in modes:
                 report.baselines.append(run_hf_static(hf, workload, batch_size=args.hf_batch_size))
@@ -178,21 +175,19 @@ def summarize_rounds(reports: list) -> dict:
             "median_bound_ratio": round(statistics.median(bounds), 3) if bounds else None}
 
 
-def _measure_peaks(dtype: str, quick: bool):
+def _measure_peaks(dtypes: tuple[str, ...], quick: bool):
     from kvstrata.cluster.bench.roofline import measure_peaks
 
-    if quick:
-        return measure_peaks((dtype,), matmul_sizes=(256,), bandwidth_bytes=64 << 20, repeats=2)
-    return measure_peaks((dtype,))
+    if quick:  # a smoke test's sizes, not a figure
+        return measure_peaks(dtypes, matmul_sizes=(256,), bandwidth_bytes=64 << 20, repeats=2)
+    return measure_peaks(dtypes)
 
 
 def _workload_bound(llm, workload, dtype: str, measured: list):
-    from kvstrata.cluster.bench.roofline import MachinePeaks, ModelCost
+    from kvstrata.cluster.bench.roofline import ModelCost, best_peaks
     from kvstrata.cluster.bench.throughput import Bound
 
-    best_flops = max(measured, key=lambda p: p.flops_per_s(dtype)).matmul
-    best_read = max(p.read_bytes_per_s for p in measured)
-    peaks = MachinePeaks(best_flops, best_read, max(p.copy_bytes_per_s for p in measured))
+    peaks = best_peaks(measured, dtype)
     work = ModelCost(llm.engine.config, dtype).workload(workload, llm.engine.kv.block_size)
     return Bound(work.bound_s(peaks, dtype), work.bound_kind(peaks, dtype), work.flops, work.bytes)
 

@@ -288,7 +288,7 @@ def bench_decode(llm, dtype: str, batches: tuple[int, ...], prompt_len: int, num
         probes.append(probe.measure())
         rows = []
         for i, (step_s, keys) in enumerate(steps):
-            peaks = _best(probes[i], probes[i + 1], dtype)
+            peaks = best_peaks(probes[i : i + 2], dtype)
             work = cost.decode_step(b, keys / b)
             rows.append((step_s / work.bound_s(peaks, dtype), step_s, keys, work.bound_s(peaks, dtype),
                          work.bound_kind(peaks, dtype)))
@@ -298,7 +298,9 @@ def bench_decode(llm, dtype: str, batches: tuple[int, ...], prompt_len: int, num
     return results
 
 
-def _best(a: MachinePeaks, b: MachinePeaks, dtype: str) -> MachinePeaks:
-    flops = max(a.flops_per_s(dtype), b.flops_per_s(dtype))
-    read = max(a.read_bytes_per_s, b.read_bytes_per_s)
-    return MachinePeaks({dtype: MatmulPeak(dtype, flops, {"engine": flops})}, read, read)
+def best_peaks(measured: list[MachinePeaks], dtype: str) -> MachinePeaks:
+    """The best FLOP/s and bandwidth among several measurements of one machine (a bound must be a bound)."""
+    flops = max(m.flops_per_s(dtype) for m in measured)
+    read = max(m.read_bytes_per_s for m in measured)
+    copy = max(m.copy_bytes_per_s for m in measured)
+    return MachinePeaks({dtype: MatmulPeak(dtype, flops, {"best": flops})}, read, copy)

@@ -80,17 +80,22 @@ class Progress:
                 print(file=sys.stderr)
 
 
-def run_kvstrata(llm: Any, workload: Workload, clock: Callable[[], float] = time.perf_counter) -> RunResult:
+def submit_greedy(engine: Any, workload: Workload, prefix: str) -> None:
+    """Every request of `workload`, greedy and ignoring EOS, so each yields exactly its max_tokens."""
     from kvstrata.worker.sampling_params import SamplingParams
 
+    for i, req in enumerate(workload.requests):
+        sp = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
+        engine.add_request(f"{prefix}-{i}", list(req.prompt_token_ids), sp)
+
+
+def run_kvstrata(llm: Any, workload: Workload, clock: Callable[[], float] = time.perf_counter) -> RunResult:
     engine = llm.engine
     _warm_up_kvstrata(llm)
     queried0, hit0 = engine.kv.num_prompt_tokens_queried, engine.kv.num_prompt_tokens_hit
     progress = Progress(f"kvstrata {workload.name}", len(workload.requests))
     start = clock()
-    for i, req in enumerate(workload.requests):
-        sp = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
-        engine.add_request(f"bench-{i}", list(req.prompt_token_ids), sp)
+    submit_greedy(engine, workload, "bench")
     latencies: list[float] = []
     output_tokens = 0
     while engine.has_unfinished_requests():
@@ -286,13 +291,9 @@ def run_lockstep(llms: list[Any], workload: Workload, clock: Callable[[], float]
     so a machine that slows down for a while slows every engine alike, and the ratio between them
     stays meaningful on a noisy host.
     """
-    from kvstrata.worker.sampling_params import SamplingParams
-
     engines = [llm.engine for llm in llms]
     for engine in engines:
-        for i, req in enumerate(workload.requests):
-            sp = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
-            engine.add_request(f"lockstep-{i}", list(req.prompt_token_ids), sp)
+        submit_greedy(engine, workload, "lockstep")
     busy = [0.0] * len(engines)
     tokens = [0] * len(engines)
     turn = 0

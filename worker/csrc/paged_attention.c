@@ -174,34 +174,34 @@ static inline __attribute__((always_inline)) void decode_all(
     }
 }
 
+/* constant head sizes let the compiler unroll the per-row loops completely */
+static inline __attribute__((always_inline)) void decode_dispatch(
+    const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int64_t *block_tables,
+    const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d,
+    int64_t bs, int64_t width, float scale, int is_bf16) {
+    if (d == 64)
+        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, 64, bs,
+                   width, scale, is_bf16);
+    else if (d == 128)
+        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, 128, bs,
+                   width, scale, is_bf16);
+    else
+        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
+                   width, scale, is_bf16);
+}
+
 void kvs_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                           const int64_t *block_tables, const int64_t *seq_lens, float *out,
                           int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs,
                           int64_t width, float scale) {
-    /* constant head sizes let the compiler unroll the per-row loops completely */
-    if (d == 64)
-        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, 64, bs,
-                   width, scale, 0);
-    else if (d == 128)
-        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, 128, bs,
-                   width, scale, 0);
-    else
-        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
-                   width, scale, 0);
+    decode_dispatch(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d,
+                    bs, width, scale, 0);
 }
 
 void kvs_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *block_tables, const int64_t *seq_lens, float *out,
                            int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs,
                            int64_t width, float scale) {
-    /* constant head sizes let the compiler unroll the per-row loops completely */
-    if (d == 64)
-        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, 64, bs,
-                   width, scale, 1);
-    else if (d == 128)
-        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, 128, bs,
-                   width, scale, 1);
-    else
-        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
-                   width, scale, 1);
+    decode_dispatch(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d,
+                    bs, width, scale, 1);
 }
