@@ -112,9 +112,11 @@ def test_garbage_in_unused_slots_is_ignored(backend):
 @pytest.mark.skipif(KERNELS is None, reason="no C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch,h,h_kv,d,block", [
-    (1, 9, 3, 64, 16),    # one sequence: tasks split by KV head
-    (12, 9, 3, 64, 16),   # many sequences: one task per sequence, all heads
-    (5, 8, 8, 128, 8),    # MHA, head_dim 128
+    (1, 9, 3, 64, 16),    # one sequence, SmolLM2's heads: 3 queries per KV head in registers
+    (12, 9, 3, 64, 24),   # many sequences; blocks of 24 tokens: a full and a partial 16-token chunk
+    (3, 16, 2, 64, 32),   # 8 queries per KV head: two register chunks of 4
+    (2, 6, 2, 128, 16),   # head_dim 128: chunks of 2 queries, then 1
+    (5, 8, 8, 128, 8),    # MHA, head_dim 128, blocks shorter than a 16-token chunk
     (6, 4, 1, 40, 32),    # MQA, a head_dim with no specialised path
 ])
 def test_kernel_matches_torch_decode(dtype, batch, h, h_kv, d, block):
@@ -135,12 +137,15 @@ def test_kernel_matches_torch_decode(dtype, batch, h, h_kv, d, block):
 
 
 @pytest.mark.skipif(KERNELS is None, reason="no C compiler")
-def test_kernel_softmax_is_stable_for_large_scores():
+@pytest.mark.parametrize("d", [64, 2])  # the vectorised head size and the generic path
+def test_kernel_softmax_is_stable_for_large_scores(d):
     """Scores far beyond exp's range must not overflow: the running max keeps exp's argument <= 0."""
-    k_cache = torch.zeros(2, BLOCK, 1, 2)
-    v_cache = torch.zeros(2, BLOCK, 1, 2)
+    k_cache = torch.zeros(2, BLOCK, 1, d)
+    v_cache = torch.zeros(2, BLOCK, 1, d)
     k_cache[0, :, 0, 0] = torch.tensor([500.0, 1000.0, -1000.0, 0.0])
-    v_cache[0, :, 0, :] = torch.tensor([[1.0, 0.0], [0.0, 1.0], [5.0, 5.0], [7.0, 7.0]])
-    q = torch.tensor([[[1.0, 0.0]]])
+    v_cache[0, :, 0, :2] = torch.tensor([[1.0, 0.0], [0.0, 1.0], [5.0, 5.0], [7.0, 7.0]])
+    q = torch.zeros(1, 1, d)
+    q[0, 0, 0] = 1.0
     out = paged_attention(q, k_cache, v_cache, _decode_meta(torch.tensor([[0]]), torch.tensor([4]), "kernel"), 1.0)
-    torch.testing.assert_close(out[0, 0], torch.tensor([0.0, 1.0]))
+    torch.testing.assert_close(out[0, 0, :2], torch.tensor([0.0, 1.0]))
+    assert torch.isfinite(out).all()

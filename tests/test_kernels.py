@@ -19,10 +19,11 @@ needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler")
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 960, 576), (1, 7, 13), (3, 33, 64), (1, 1, 1), (7, 48, 20), (50, 40, 9),
-                                   (0, 16, 4)])
+                                   (9, 100, 30), (70, 97, 17), (64, 96, 5), (0, 16, 4)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_gemm_matches_linear(dtype, m, n, k, with_bias):
-    """Row counts across micro-tiles (6) and row blocks (48); column counts off the 16-wide panels."""
+    """Row counts across micro-tiles (8 rows) and row blocks (64); column counts across and off the
+    48-column groups."""
     gen = torch.Generator().manual_seed(m * 100 + n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).to(dtype)

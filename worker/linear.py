@@ -1,9 +1,9 @@
 """Dense projections: one backend per model, chosen at load, which may re-lay the weights out once.
 
-On this project's reference CPU (AMD, AVX-512), torch's default fp32 GEMM path (MKL) reaches about
-40% of the cores' FLOP/s, and oneDNN about twice that on large products but much less at the small
-row counts of a decode step, because it repacks the weights on every call. So on CPU the weights
-are packed once into 16-column panels and multiplied by a C kernel (`packed`). In bf16, oneDNN's
+On CPU, oneDNN and MKL come close to the cores' FLOP/s on large products but much less at the small
+row counts of a decode step, because they repack the weights on every call. So on CPU the weights
+are packed once into 48-column groups and multiplied by a C kernel (`packed`, see csrc/gemm.c),
+which also stays ahead of oneDNN at prefill-sized row counts. In bf16, oneDNN's
 bf16 dot-product instructions win from about 8 rows on, so bf16 keeps both layouts. oneDNN
 (`onednn`) and plain `F.linear` (`torch`) remain for machines without a C compiler and for GPUs.
 Results agree with `F.linear` to float rounding.

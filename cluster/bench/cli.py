@@ -68,7 +68,8 @@ def run_roofline_cmd(args: argparse.Namespace) -> int:
         max_len = args.prompt_len + decode_tokens_needed(max_batch, args.steps)
         blocks = max_batch * (-(-max_len // 16)) + 16
         llm = LLM(args.model, dtype=d, num_gpu_blocks=blocks)
-        probe = PeakProbe(d, read_bytes=(16 << 20) if args.quick else (256 << 20),
+        probe = PeakProbe(d, peaks.matmul[d].best_backend,
+                          read_bytes=(16 << 20) if args.quick else (256 << 20),
                           matmul_size=256 if args.quick else 2048)
         for r in bench_decode(llm, d, args.batches, args.prompt_len, args.steps, probe):
             results.append(r)

@@ -33,6 +33,10 @@ class MatmulPeak:
     flops_per_s: float  # the best of the backends below
     by_backend: dict[str, float]  # "torch.matmul" / "onednn" / "packed" -> FLOP/s at the best size
 
+    @property
+    def best_backend(self) -> str:
+        return max(self.by_backend, key=self.by_backend.__getitem__)
+
 
 @dataclass(frozen=True)
 class MachinePeaks:
@@ -107,27 +111,33 @@ class PeakProbe:
     """Short peak measurements taken between timed steps, so each step is judged against the machine
     as it was at that moment (a shared host's bandwidth drifts by half from minute to minute).
 
-    One probe: a streaming read of `read_bytes` and one square matmul of `matmul_size` through the
-    engine's projection backend; each keeps the best of the probes seen so far in its step's window.
+    One probe: a streaming read of `read_bytes` and one square matmul of `matmul_size` through
+    `backend`, which should be the fastest one `measure_matmul` found ("torch.matmul", "onednn" or
+    "packed"), so that the bound never rests on a slower path than the machine offers.
     """
 
-    def __init__(self, dtype: str, read_bytes: int = 256 << 20, matmul_size: int = 2048):
+    def __init__(self, dtype: str, backend: str = "torch.matmul", read_bytes: int = 256 << 20,
+                 matmul_size: int = 2048):
         from kvstrata.worker.linear import select_linear
 
         td = DTYPES[dtype]
         self.dtype = dtype
         self._buf = torch.ones(read_bytes // 4, dtype=torch.float32)
         gen = torch.Generator().manual_seed(0)
-        self._a = torch.randn(matmul_size, matmul_size, generator=gen).to(td)
-        self._b = torch.randn(matmul_size, matmul_size, generator=gen).to(td)
-        self._linear = select_linear(torch.device("cpu"), td)
-        self._w = self._linear.prepare(self._b)
+        a = torch.randn(matmul_size, matmul_size, generator=gen).to(td)
+        b = torch.randn(matmul_size, matmul_size, generator=gen).to(td)
+        if backend == "torch.matmul":
+            self._matmul = lambda: torch.matmul(a, b)
+        else:
+            linear = select_linear(torch.device("cpu"), td, backend)
+            w = linear.prepare(b)
+            self._matmul = lambda: linear(a, w, None)
         self._flops = 2 * matmul_size**3
 
     def measure(self) -> MachinePeaks:
         read = self._buf.numel() * 4 / median_time(lambda: self._buf.sum(), repeats=1, warmup=0)
-        flops = self._flops / median_time(lambda: self._linear(self._a, self._w, None), repeats=1, warmup=0)
-        return MachinePeaks({self.dtype: MatmulPeak(self.dtype, flops, {"engine": flops})}, read, read)
+        flops = self._flops / median_time(self._matmul, repeats=1, warmup=0)
+        return MachinePeaks({self.dtype: MatmulPeak(self.dtype, flops, {"probe": flops})}, read, read)
 
 
 # -- work model ---------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
  *
  * Work is split over (sequence, KV head) pairs. Each pair streams its blocks once, keeping the
  * G = H / Hkv query heads that share the KV head together, with an online softmax, so nothing is
- * gathered or copied and every K/V byte is read exactly once per step.
+ * gathered or copied and every K/V byte is read once per step from memory. Queries and output
+ * accumulators live in registers; scores of 16 tokens are reduced together (transpose_sum16).
  *
  *   k_cache, v_cache: [num_blocks, block_size, Hkv, D]   (fp32, or bf16 stored as uint16)
  *   q, out:           [B, H, D] float32 (the caller converts bf16); q's rows are q_stride floats apart
@@ -10,14 +11,10 @@
  *
  */
 #include <math.h>
-#include <omp.h>
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
-/* glibc's vector expf (libmvec); declared here so the softmax loop vectorizes without -ffast-math */
-#pragma omp declare simd notinbranch
-float expf(float);
 
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -28,8 +25,7 @@ static inline float bf16_to_f32(uint16_t x) {
 }
 
 typedef float v16f __attribute__((vector_size(64)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
+#define UNROLL _Pragma("GCC unroll 16")
 
 static inline __attribute__((always_inline)) v16f load16(const float *p) {
     v16f v;
@@ -37,24 +33,65 @@ static inline __attribute__((always_inline)) v16f load16(const float *p) {
     return v;
 }
 
-/* A tree sum of the lanes: a reduction pragma lowers to 16 dependent scalar adds, which made the
- * score loop several times slower than the memory it reads. */
-static inline __attribute__((always_inline)) float hsum16(v16f v) {
-    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
+typedef int32_t v16i __attribute__((vector_size(64)));
+static const v16i lane_ids = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+static inline __attribute__((always_inline)) v16f select16(v16i mask, v16f a, v16f b) {
+    v16i r = (mask & (v16i)a) | (~mask & (v16i)b);
+    return (v16f)r;
 }
 
-static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t d) {
-    if (d % 16 == 0) {
-        v16f acc = {0};
-        for (int64_t i = 0; i < d; i += 16) acc += load16(a + i) * load16(b + i);
-        return hsum16(acc);
-    }
-    float acc = 0.0f;
-    for (int64_t i = 0; i < d; i++) acc += a[i] * b[i];
-    return acc;
+static inline __attribute__((always_inline)) v16f vmax16(v16f a, v16f b) {
+    return select16(a > b, a, b);
+}
+
+static inline __attribute__((always_inline)) float hsum16(v16f v) {
+    float t[16];
+    memcpy(t, &v, sizeof t);
+    float a = 0.0f;
+    for (int i = 0; i < 16; i++) a += t[i];
+    return a;
+}
+
+static inline __attribute__((always_inline)) float hmax16(v16f v) {
+    float t[16];
+    memcpy(t, &v, sizeof t);
+    float a = t[0];
+    for (int i = 1; i < 16; i++) a = t[i] > a ? t[i] : a;
+    return a;
+}
+
+/* e^x for x <= 0 (softmax arguments), to about 2e-7 relative: 2^(x log2 e) split into an integer
+ * power, put straight into the exponent bits, and 2^f for |f| <= 1/2 by its Taylor series. Inputs
+ * below -87 give e^-87 (about 1.6e-38), which is as good as zero next to the block maximum's 1. */
+static inline __attribute__((always_inline)) v16f exp16(v16f x) {
+    const v16f lo = (v16f){0} - 87.0f;
+    x = vmax16(x, lo);
+    v16f t = x * 1.44269504f;
+    v16f n = (t + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 pushes the fraction out */
+    v16f f = t - n;
+    v16f p = 1.3333558e-3f + f * 1.5403530e-4f;
+    p = 9.6181291e-3f + f * p;
+    p = 5.5504109e-2f + f * p;
+    p = 2.4022651e-1f + f * p;
+    p = 6.9314718e-1f + f * p;
+    p = 1.0f + f * p;
+    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return p * (v16f)e;
+}
+
+/* sums[j] = the lane sum of p[j], for 16 vectors at once: four rounds of pairwise lane sums, each
+ * round halving the vectors (45 vector operations, against about 110 for 16 separate tree sums). */
+static inline __attribute__((always_inline)) v16f transpose_sum16(const v16f *p) {
+#define PAIRS(a, b)                                                                                                 \
+    (__builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +                  \
+     __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31))
+    v16f r1[8], r2[4], r3[2];
+    UNROLL for (int i = 0; i < 8; i++) r1[i] = PAIRS(p[2 * i], p[2 * i + 1]);
+    UNROLL for (int i = 0; i < 4; i++) r2[i] = PAIRS(r1[2 * i], r1[2 * i + 1]);
+    UNROLL for (int i = 0; i < 2; i++) r3[i] = PAIRS(r2[2 * i], r2[2 * i + 1]);
+    return PAIRS(r3[0], r3[1]);
+#undef PAIRS
 }
 
 /* n cache elements from offset as float32: fp32 is used in place, bf16 is widened into buf. */
@@ -67,134 +104,205 @@ static inline __attribute__((always_inline)) const float *load_row(const void *c
     return buf;
 }
 
-/* One sequence, KV heads [h0, h1): every K/V row segment of those heads is read once, in order. */
-static inline __attribute__((always_inline)) void decode_heads(
-    const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx,
-    float *out, int64_t h0, int64_t h1, int64_t num_kv_heads, int64_t group, int64_t d, int64_t bs,
-    float scale, int is_bf16, float *work) {
-    int64_t nq = (h1 - h0) * group; /* queries handled here, row r = (h - h0) * group + g */
-    int64_t seg = (h1 - h0) * d;    /* floats of one token's K (or V) row for these heads */
-    float *qs = work;               /* [nq, d] scaled queries */
-    float *acc = qs + nq * d;       /* [nq, d] running sum of p * v */
-    float *s = acc + nq * d;        /* [nq, bs] scores, then probabilities, of the current block */
-    float *m = s + nq * bs;         /* [nq] running max */
-    float *l = m + nq;              /* [nq] running softmax denominator */
-    float *buf = l + nq;            /* [seg] a bf16 row widened to float */
-    for (int64_t r = 0; r < nq; r++) {
-        const float *qr = q + (h0 * group + r) * d;
-        for (int64_t i = 0; i < d; i++) {
-            qs[r * d + i] = qr[i] * scale;
-            acc[r * d + i] = 0.0f;
+#define QMAX 4 /* queries of one KV head held in registers at once (d = 64; half that for d = 128) */
+
+/* One sequence, one KV head, NQ (<= QMAX) of its queries, head size DV vectors of 16: queries and
+ * output accumulators stay in registers, and each K/V row of the head is read once per block. */
+static inline __attribute__((always_inline)) void decode_queries(
+    const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, float *out,
+    int64_t kv_head, int64_t num_kv_heads, const int NQ, const int DV, int64_t bs, float scale, int is_bf16,
+    float *work) {
+    const int64_t d = 16 * DV;
+    v16f qv[QMAX][128 / 16], acc[QMAX][128 / 16];
+    float m[QMAX], l[QMAX];
+    int64_t bs16 = (bs + 15) / 16 * 16;
+    v16f *part = (v16f *)work;           /* [NQ][16] per-token partial products */
+    float *s = (float *)(part + QMAX * 16); /* [NQ][bs16] scores, then probabilities, of one block */
+    float *buf = s + QMAX * bs16;        /* [d] a bf16 row widened to float */
+    UNROLL for (int g = 0; g < NQ; g++) {
+        UNROLL for (int i = 0; i < DV; i++) {
+            qv[g][i] = load16(q + g * d + 16 * i) * scale;
+            acc[g][i] = (v16f){0};
         }
-        m[r] = -1e30f;
-        l[r] = 0.0f;
+        m[g] = -1e30f;
+        l[g] = 0.0f;
     }
-    int64_t num_blocks = (ctx + bs - 1) / bs;
+    int64_t num_blocks = (ctx + bs - 1) / bs, elem = is_bf16 ? 2 : 4;
     for (int64_t ib = 0; ib < num_blocks; ib++) {
         int64_t block = table[ib];
         int64_t n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
+        /* blocks sit anywhere in the pool, out of the hardware prefetcher's sight: while a token is
+         * scored, ask for the same row of the next block (K and V, this head only) */
+        const char *next_k = NULL, *next_v = NULL;
         if (ib + 1 < num_blocks) {
-            /* blocks sit anywhere in the pool, out of the hardware prefetcher's sight: ask for the
-             * next block's rows (these heads only) while this one is computed */
-            int64_t next = table[ib + 1], elem = is_bf16 ? 2 : 4;
-            for (int64_t j = 0; j < bs; j++) {
-                int64_t off = ((next * bs + j) * num_kv_heads + h0) * d * elem;
-                for (int64_t b = 0; b < seg * elem; b += 64) {
-                    __builtin_prefetch((const char *)k_cache + off + b);
-                    __builtin_prefetch((const char *)v_cache + off + b);
+            int64_t off = (table[ib + 1] * bs * num_kv_heads + kv_head) * d * elem;
+            next_k = (const char *)k_cache + off;
+            next_v = (const char *)v_cache + off;
+        }
+        int64_t row_bytes = num_kv_heads * d * elem;
+        /* scores, 16 tokens at a time */
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            int64_t nj = n - j0 < 16 ? n - j0 : 16;
+            for (int64_t j = 0; j < 16; j++) {
+                if (j < nj) {
+                    if (next_k) {
+                        for (int64_t b = 0; b < d * elem; b += 64) {
+                            __builtin_prefetch(next_k + (j0 + j) * row_bytes + b);
+                            __builtin_prefetch(next_v + (j0 + j) * row_bytes + b);
+                        }
+                    }
+                    const float *kr = load_row(k_cache, ((block * bs + j0 + j) * num_kv_heads + kv_head) * d, d,
+                                               is_bf16, buf);
+                    v16f kv[128 / 16];
+                    UNROLL for (int i = 0; i < DV; i++) kv[i] = load16(kr + 16 * i);
+                    UNROLL for (int g = 0; g < NQ; g++) {
+                        v16f t = qv[g][0] * kv[0];
+                        UNROLL for (int i = 1; i < DV; i++) t += qv[g][i] * kv[i];
+                        part[g * 16 + j] = t;
+                    }
+                } else {
+                    UNROLL for (int g = 0; g < NQ; g++) part[g * 16 + j] = (v16f){0};
                 }
             }
+            v16i live = lane_ids < (int32_t)nj;
+            UNROLL for (int g = 0; g < NQ; g++) {
+                v16f sc = transpose_sum16(part + g * 16);
+                sc = select16(live, sc, (v16f){0} - 1e30f); /* padding lanes weigh exp(-1e30) = 0 */
+                memcpy(s + g * bs16 + j0, &sc, sizeof sc);
+            }
         }
+        /* online softmax over this block; score lanes past n were set to -inf-like above */
+        int64_t chunks = (n + 15) / 16;
+        UNROLL for (int g = 0; g < NQ; g++) {
+            float *sr = s + g * bs16;
+            v16f vmax = load16(sr);
+            for (int64_t c = 1; c < chunks; c++) vmax = vmax16(vmax, load16(sr + 16 * c));
+            float mx = hmax16(vmax);
+            mx = mx > m[g] ? mx : m[g];
+            float corr = exp16((v16f){0} + (m[g] - mx))[0];
+            v16f vsum = {0};
+            for (int64_t c = 0; c < chunks; c++) {
+                v16f e = exp16(load16(sr + 16 * c) - mx);
+                vsum += e;
+                memcpy(sr + 16 * c, &e, sizeof e);
+            }
+            if (corr != 1.0f)
+                UNROLL for (int i = 0; i < DV; i++) acc[g][i] *= corr;
+            m[g] = mx;
+            l[g] = l[g] * corr + hsum16(vsum);
+        }
+        /* weighted values */
         for (int64_t j = 0; j < n; j++) {
-            const float *kr = load_row(k_cache, ((block * bs + j) * num_kv_heads + h0) * d, seg, is_bf16, buf);
-            for (int64_t r = 0; r < nq; r++) {
-                const float *kh = kr + (r / group) * d;
-                const float *qr = qs + r * d;
-                s[r * bs + j] = dot(qr, kh, d);
-            }
-        }
-        for (int64_t r = 0; r < nq; r++) {
-            float *sr = s + r * bs;
-            float mx = m[r];
-            for (int64_t j = 0; j < n; j++) mx = sr[j] > mx ? sr[j] : mx;
-            float corr = expf(m[r] - mx);
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < n; j++) {
-                sr[j] = expf(sr[j] - mx);
-                sum += sr[j];
-            }
-            if (corr != 1.0f) {
-                float *ar = acc + r * d;
-#pragma omp simd
-                for (int64_t i = 0; i < d; i++) ar[i] *= corr;
-            }
-            m[r] = mx;
-            l[r] = l[r] * corr + sum;
-        }
-        for (int64_t j = 0; j < n; j++) {
-            const float *vr = load_row(v_cache, ((block * bs + j) * num_kv_heads + h0) * d, seg, is_bf16, buf);
-            for (int64_t r = 0; r < nq; r++) {
-                const float *vh = vr + (r / group) * d;
-                float *ar = acc + r * d;
-                float p = s[r * bs + j];
-#pragma omp simd
-                for (int64_t i = 0; i < d; i++) ar[i] += p * vh[i];
+            const float *vr = load_row(v_cache, ((block * bs + j) * num_kv_heads + kv_head) * d, d, is_bf16, buf);
+            v16f vv[128 / 16];
+            UNROLL for (int i = 0; i < DV; i++) vv[i] = load16(vr + 16 * i);
+            UNROLL for (int g = 0; g < NQ; g++) {
+                float p = s[g * bs16 + j];
+                UNROLL for (int i = 0; i < DV; i++) acc[g][i] += p * vv[i];
             }
         }
     }
-    for (int64_t r = 0; r < nq; r++) {
-        float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        float *o = out + (h0 * group + r) * d;
-        for (int64_t i = 0; i < d; i++) o[i] = acc[r * d + i] * inv;
+    UNROLL for (int g = 0; g < NQ; g++) {
+        float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        UNROLL for (int i = 0; i < DV; i++) {
+            v16f o = acc[g][i] * inv;
+            memcpy(out + g * d + 16 * i, &o, sizeof o);
+        }
     }
 }
 
-static inline __attribute__((always_inline)) void decode_all(
-    const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int64_t *block_tables,
-    const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-    int64_t d, int64_t bs, int64_t width, float scale, int is_bf16) {
+/* A generic head size (not a multiple of 16, or above 128): one query at a time, scalar dots. */
+static void decode_query_generic(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
+                                 int64_t ctx, float *out, int64_t kv_head, int64_t num_kv_heads, int64_t d,
+                                 int64_t bs, float scale, int is_bf16, float *work) {
+    float *s = work, *buf = s + bs, *acc = buf + d;
+    float m = -1e30f, l = 0.0f;
+    for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
+    int64_t num_blocks = (ctx + bs - 1) / bs;
+    for (int64_t ib = 0; ib < num_blocks; ib++) {
+        int64_t block = table[ib], n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
+        for (int64_t j = 0; j < n; j++) {
+            const float *kr = load_row(k_cache, ((block * bs + j) * num_kv_heads + kv_head) * d, d, is_bf16, buf);
+            float t = 0.0f;
+            for (int64_t i = 0; i < d; i++) t += q[i] * kr[i];
+            s[j] = t * scale;
+        }
+        float mx = m;
+        for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+        float corr = expf(m - mx), sum = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            s[j] = expf(s[j] - mx);
+            sum += s[j];
+        }
+        for (int64_t i = 0; i < d; i++) acc[i] *= corr;
+        for (int64_t j = 0; j < n; j++) {
+            const float *vr = load_row(v_cache, ((block * bs + j) * num_kv_heads + kv_head) * d, d, is_bf16, buf);
+            for (int64_t i = 0; i < d; i++) acc[i] += s[j] * vr[i];
+        }
+        m = mx;
+        l = l * corr + sum;
+    }
+    float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int64_t i = 0; i < d; i++) out[i] = acc[i] * inv;
+}
+
+/* All queries of one (sequence, KV head) pair, in register-sized chunks. */
+static inline __attribute__((always_inline)) void decode_head(
+    const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, float *out,
+    int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t d, int64_t bs, float scale, int is_bf16,
+    float *work) {
+    if (d != 64 && d != 128) {
+        for (int64_t g = 0; g < group; g++)
+            decode_query_generic(q + g * d, k_cache, v_cache, table, ctx, out + g * d, kv_head, num_kv_heads, d, bs,
+                                 scale, is_bf16, work);
+        return;
+    }
+    int64_t chunk = d == 64 ? QMAX : QMAX / 2;
+    for (int64_t g0 = 0; g0 < group; g0 += chunk) {
+        int64_t nq = group - g0 < chunk ? group - g0 : chunk;
+        const float *qc = q + g0 * d;
+        float *oc = out + g0 * d;
+        /* constant query counts and head sizes let each variant keep its state in registers */
+#define VARIANT(NQ, DV) decode_queries(qc, k_cache, v_cache, table, ctx, oc, kv_head, num_kv_heads, NQ, DV, bs, \
+                                       scale, is_bf16, work)
+        if (d == 64) {
+            if (nq == 4) VARIANT(4, 4);
+            else if (nq == 3) VARIANT(3, 4);
+            else if (nq == 2) VARIANT(2, 4);
+            else VARIANT(1, 4);
+        } else {
+            if (nq == 2) VARIANT(2, 8);
+            else VARIANT(1, 8);
+        }
+#undef VARIANT
+    }
+}
+
+static void decode_all(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                       const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width, float scale,
+                       int is_bf16) {
     int64_t group = num_heads / num_kv_heads;
-    /* Whole sequences per task keep each token's K/V row contiguous; a small batch splits by head so
-     * that every thread has work. */
-    int64_t heads_per_task = batch >= 2 * omp_get_max_threads() ? num_kv_heads : 1;
-    int64_t tasks_per_seq = num_kv_heads / heads_per_task;
-    size_t work_floats = (size_t)(heads_per_task * group) * (size_t)(2 * d + bs + 2) + (size_t)(heads_per_task * d);
+    int64_t bs16 = (bs + 15) / 16 * 16;
+    size_t work_floats = (size_t)(QMAX * 16 * 16 + QMAX * bs16 + 3 * d + bs16);
 #pragma omp parallel
     {
-        float *work = malloc(work_floats * sizeof(float));
+        float *work = aligned_alloc(64, (work_floats * sizeof(float) + 63) / 64 * 64);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < batch * tasks_per_seq; task++) {
-            int64_t b = task / tasks_per_seq, h0 = (task % tasks_per_seq) * heads_per_task;
-            decode_heads(q + b * q_stride, k_cache, v_cache, block_tables + b * width, seq_lens[b],
-                         out + b * num_heads * d, h0, h0 + heads_per_task, num_kv_heads, group, d, bs, scale,
-                         is_bf16, work);
+        for (int64_t task = 0; task < batch * num_kv_heads; task++) {
+            int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+            decode_head(q + b * q_stride + h * group * d, k_cache, v_cache, block_tables + b * width, seq_lens[b],
+                        out + (b * num_heads + h * group) * d, h, num_kv_heads, group, d, bs, scale, is_bf16, work);
         }
         free(work);
     }
-}
-
-/* constant head sizes let the compiler unroll the per-row loops completely */
-static inline __attribute__((always_inline)) void decode_dispatch(
-    const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int64_t *block_tables,
-    const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d,
-    int64_t bs, int64_t width, float scale, int is_bf16) {
-    if (d == 64)
-        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, 64, bs,
-                   width, scale, is_bf16);
-    else if (d == 128)
-        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, 128, bs,
-                   width, scale, is_bf16);
-    else
-        decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
-                   width, scale, is_bf16);
 }
 
 void kvs_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                           const int64_t *block_tables, const int64_t *seq_lens, float *out,
                           int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs,
                           int64_t width, float scale) {
-    decode_dispatch(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d,
+    decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d,
                     bs, width, scale, 0);
 }
 
@@ -202,6 +310,6 @@ void kvs_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_c
                            const int64_t *block_tables, const int64_t *seq_lens, float *out,
                            int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs,
                            int64_t width, float scale) {
-    decode_dispatch(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d,
+    decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d,
                     bs, width, scale, 1);
 }
