@@ -1,0 +1,289 @@
+"""One engine behind an asyncio API: the step loop runs on its own thread, tokens stream back as
+they are produced, and many concurrent requests batch together.
+
+The engine is not thread-safe, so the engine thread is the only one that touches it. Callers on the
+event loop send it commands (add, abort, or any function to run between steps) through a queue, and
+the thread hands each step's new tokens back with `loop.call_soon_threadsafe`. Front ends (gRPC,
+HTTP) are thin layers over `EngineService.generate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from kvstrata.worker.engine import LLMEngine
+from kvstrata.worker.outputs import RequestOutput
+from kvstrata.worker.sampling_params import SamplingParams
+from kvstrata.worker.tokenizer import Detokenizer
+
+log = logging.getLogger(__name__)
+
+
+class Overloaded(Exception):
+    """The waiting queue is full; the caller should answer RESOURCE_EXHAUSTED / HTTP 429."""
+
+
+class Draining(Exception):
+    """The service no longer admits requests (drain or shutdown)."""
+
+
+@dataclass
+class Delta:
+    """New output of one sample since the last delta. `finish_reason` is set on its last delta."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class StreamItem:
+    """What `generate` yields: the deltas of one step, and usage once the request is done."""
+
+    deltas: list[Delta]
+    usage: Usage | None = None
+
+
+class _Tracked:
+    """Engine-thread state of one request: how much of each sample has been streamed."""
+
+    def __init__(self, engine: LLMEngine, request_id: str, params: SamplingParams, out: asyncio.Queue,
+                 loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.params = params
+        self.out = out
+        self.loop = loop
+        self.sent_tokens = [0] * params.n
+        self.sent_text = [0] * params.n
+        self.detok = [Detokenizer(engine.tokenizer) for _ in range(params.n)]
+        # text that might still turn out to be the start of a stop string is held back
+        self.hold = max((len(s) for s in params.stop_strings), default=1) - 1
+        self.done = [False] * params.n
+
+    def collect(self, engine: LLMEngine, finished: RequestOutput | None) -> StreamItem | None:
+        deltas = []
+        if finished is not None:
+            for o in finished.outputs:
+                i = o.index
+                if self.done[i]:
+                    continue
+                new_ids = o.token_ids[self.sent_tokens[i]:]
+                lps = list(o.logprobs[self.sent_tokens[i]:]) if o.logprobs is not None else []
+                text = o.text[self.sent_text[i]:]
+                deltas.append(Delta(i, new_ids, text, o.finish_reason, lps))
+                self.done[i] = True
+            usage = Usage(len(finished.prompt_token_ids), sum(len(o.token_ids) for o in finished.outputs),
+                          finished.num_cached_tokens)
+            return StreamItem(deltas, usage)
+        group = engine.groups.get(self.request_id)
+        if group is None:
+            return None
+        for s in group.samples:
+            i = s.sample_index
+            ids = s.output_token_ids
+            # a sample that finished before its group is flushed with the group's final output,
+            # whose text is already cut at a stop string
+            if s.is_finished or len(ids) == self.sent_tokens[i]:
+                continue
+            self.detok[i].step(ids)
+            full = self.detok[i].text
+            text = full[self.sent_text[i]:max(len(full) - self.hold, self.sent_text[i])]
+            lps = list(s.logprobs[self.sent_tokens[i]:]) if s.logprobs is not None else []
+            deltas.append(Delta(i, ids[self.sent_tokens[i]:], text, None, lps))
+            self.sent_tokens[i] = len(ids)
+            self.sent_text[i] += len(text)
+        return StreamItem(deltas) if deltas else None
+
+    def push(self, item: StreamItem | BaseException | None) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+
+class EngineService:
+    """Owns an `LLMEngine` and its step thread. `max_waiting` bounds requests not yet admitted."""
+
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256, max_tokens_limit: int = 4096):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.max_tokens_limit = max_tokens_limit
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending = 0  # submitted from the event loop but not yet added on the engine thread
+        self._num_waiting = 0  # added but not yet scheduled, as of the last step (set by the engine thread)
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stopping = False
+        self.draining = False
+        self._thread = threading.Thread(target=self._run, name="kvstrata-engine", daemon=True)
+        self._thread.start()
+
+    # -- event-loop side ---------------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._tracked) + self._pending
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       cache_salt: str = "", prompt: str | None = None) -> AsyncIterator[StreamItem]:
+        """Stream one request. Raises ValueError for bad input, Overloaded or Draining before any
+        output; cancelling the consumer (client gone, deadline) aborts the request and frees its blocks."""
+        if self.draining or self._stopping:
+            raise Draining("the server is draining and admits no new requests")
+        if params.max_tokens > self.max_tokens_limit:
+            raise ValueError(f"max_tokens must be at most {self.max_tokens_limit}, got {params.max_tokens}")
+        self.engine.validate_prompt(prompt_token_ids, params)  # reads only immutable config
+        with self._lock:
+            waiting = self._pending + self._num_waiting
+            if waiting >= self.max_waiting:
+                raise Overloaded(f"{waiting} requests are waiting (limit {self.max_waiting}); retry later")
+            self._pending += 1
+        rid = request_id or f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        tracked = _Tracked(self.engine, rid, params, out, loop)
+
+        def add() -> None:
+            try:
+                if rid in self._tracked or rid in self.engine.groups:
+                    raise ValueError(f"request_id {rid!r} is already in use")
+                self.engine.add_request(rid, prompt_token_ids, params, prompt=prompt, cache_salt=cache_salt)
+            except ValueError as e:
+                with self._lock:
+                    self._pending -= 1
+                tracked.push(e)
+                return
+            with self._lock:  # from pending to waiting in one move, so the overload check never misses it
+                self._pending -= 1
+                self._num_waiting += 1
+                self._tracked[rid] = tracked
+
+        self._commands.put(add)
+        finished = False
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:  # aborted by shutdown
+                    return
+                yield item
+                if item.usage is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._commands.put(lambda: self._abort(rid))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread, between steps, and return its result."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as e:  # handed to the caller
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._commands.put(run)
+        return await fut
+
+    async def cache_stats(self) -> dict[str, Any]:
+        return await self.call(lambda e: e.cache_stats())
+
+    async def flush_cache(self) -> int:
+        return await self.call(lambda e: e.kv.pool.reset_prefix_cache())
+
+    def drain(self) -> int:
+        """Stop admitting requests; those in flight run to completion. Returns how many there are."""
+        self.draining = True
+        return self.num_in_flight
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until nothing is in flight, up to timeout seconds; True if it got there."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.num_in_flight:
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    def shutdown(self) -> None:
+        """Abort everything in flight and stop the engine thread."""
+        self._stopping = True
+        self._commands.put(self._abort_all)
+        self._thread.join(timeout=30)
+
+    # -- engine thread -----------------------------------------------------------------------
+    def _abort(self, rid: str) -> None:
+        tracked = self._tracked.pop(rid, None)
+        if tracked is not None:
+            self.engine.abort(rid)
+
+    def _abort_all(self) -> None:
+        for rid in list(self._tracked):
+            tracked = self._tracked.pop(rid)
+            self.engine.abort(rid)
+            tracked.push(None)
+
+    def _run(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished_requests()
+            try:
+                # block only when there is nothing to step
+                cmd = self._commands.get(block=not busy, timeout=None if not busy else 0)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                cmd()
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self._stopping and not self._tracked:
+                return
+            with self._lock:
+                self._num_waiting = self.engine.scheduler.num_waiting
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                finished = {o.request_id: o for o in self.engine.step()}
+            except Exception as e:  # a failed step fails the requests in it, not the server
+                log.exception("engine step failed")
+                for rid in list(self._tracked):
+                    self._tracked.pop(rid).push(RuntimeError(f"engine step failed: {e}"))
+                    self.engine.abort(rid)
+                continue
+            for rid, tracked in list(self._tracked.items()):
+                item = tracked.collect(self.engine, finished.get(rid))
+                if item is not None:
+                    tracked.push(item)
+                if rid in finished or rid not in self.engine.groups:
+                    self._tracked.pop(rid, None)
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,154 @@
+"""The gRPC front end: kvstrata.v1.Generation and Admin, grpc.health.v1 and server reflection, as a
+thin layer over one `EngineService`. Messages are protobuf only; nothing on the wire is pickled.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstrata.cluster.engine_service import Delta, Draining, EngineService, Overloaded
+from kvstrata.protos.v1 import generation_pb2 as pb
+from kvstrata.protos.v1 import generation_pb2_grpc as pb_grpc
+from kvstrata.worker.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 16 << 20
+SERVICE_NAMES = ("kvstrata.v1.Generation", "kvstrata.v1.Admin")
+
+
+def sampling_params(opts: pb.SamplingOptions) -> SamplingParams:
+    """SamplingOptions -> SamplingParams; unset fields keep SamplingParams' defaults. ValueError names the field."""
+    kw: dict[str, Any] = {}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "logprobs"):
+        if opts.HasField(name):
+            kw[name] = getattr(opts, name)
+    if opts.stop:
+        kw["stop"] = list(opts.stop)
+    if opts.stop_token_ids:
+        kw["stop_token_ids"] = list(opts.stop_token_ids)
+    kw["ignore_eos"] = opts.ignore_eos
+    return SamplingParams(**kw)
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, service: EngineService):
+        self.service = service
+        self.engine = service.engine
+        self.tokenizer = service.engine.tokenizer
+
+    def _prompt(self, request: pb.GenerateRequest) -> tuple[list[int], str | None]:
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise ValueError("prompt is required: set text, token_ids or chat")
+        if kind == "text":
+            if not request.text:
+                raise ValueError("prompt.text is empty")
+            return self.tokenizer.encode(request.text), request.text
+        if kind == "token_ids":
+            return list(request.token_ids.ids), None
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if not messages:
+            raise ValueError("prompt.chat.messages is empty")
+        text = self.tokenizer.apply_chat_template(messages)
+        return self.tokenizer.encode(text, add_special_tokens=False), text
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            prompt_ids, text = self._prompt(request)
+            params = sampling_params(request.sampling)
+            rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
+            async for item in self.service.generate(prompt_ids, params, request_id=rid, prompt=text):
+                for d in item.deltas:
+                    yield _response(d, rid)
+                if item.usage is not None:
+                    u = item.usage
+                    yield pb.GenerateResponse(
+                        request_id=rid,
+                        usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                                       cached_tokens=u.cached_tokens))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except Draining as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        kind = request.WhichOneof("input")
+        try:
+            if kind == "text":
+                ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+            elif kind == "chat":
+                messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+                if not messages:
+                    raise ValueError("input.chat.messages is empty")
+                ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+            else:
+                raise ValueError("input is required: set text or chat")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.TokenizeResponse(token_ids=ids, tokens=[self.tokenizer.id_to_token(i) or "" for i in ids])
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        c = self.engine.config
+        return pb.ModelInfo(
+            model_id=self.engine.model_id, dtype=str(self.engine.runner.model.dtype).removeprefix("torch."),
+            max_model_len=self.engine.scheduler_config.max_model_len, vocab_size=c.vocab_size,
+            block_size=self.engine.kv.block_size, num_layers=c.num_layers, num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, max_tokens_limit=self.service.max_tokens_limit)
+
+
+def _response(d: Delta, request_id: str) -> pb.GenerateResponse:
+    logprobs = [pb.TokenLogprobs(top=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in step.items()])
+                for step in d.logprobs]
+    return pb.GenerateResponse(request_id=request_id, index=d.index, token_ids=d.token_ids, text=d.text,
+                               finish_reason=d.finish_reason or "", logprobs=logprobs)
+
+
+class AdminServicer(pb_grpc.AdminServicer):
+    def __init__(self, service: EngineService, health_servicer: health.aio.HealthServicer | None = None):
+        self.service = service
+        self.health = health_servicer
+
+    async def GetCacheStats(self, request: pb.GetCacheStatsRequest, context: grpc.aio.ServicerContext) -> pb.CacheStats:
+        s = await self.service.cache_stats()
+        return pb.CacheStats(**{f.name: s[f.name] for f in pb.CacheStats.DESCRIPTOR.fields})
+
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
+        in_flight = self.service.drain()
+        if self.health is not None:
+            await set_serving(self.health, False)
+        return pb.DrainResponse(in_flight=in_flight)
+
+    async def FlushCache(self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext) -> pb.FlushCacheResponse:
+        return pb.FlushCacheResponse(blocks_flushed=await self.service.flush_cache())
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", *SERVICE_NAMES):
+        await health_servicer.set(name, status)
+
+
+def build_server(service: EngineService, address: str,
+                 credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """A started-on-demand grpc.aio server with every service registered; returns it, its health
+    servicer and the bound port (useful with port 0)."""
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    server = grpc.aio.server(options=options)
+    health_servicer = health.aio.HealthServicer()
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(service), server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(service, health_servicer), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    return server, health_servicer, port

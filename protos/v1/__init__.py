@@ -1,0 +1,1 @@
+"""Generated from protos/kvstrata/v1 by kvstrata.protos.generate."""
