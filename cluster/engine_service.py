@@ -145,7 +145,6 @@ class EngineService:
             raise Draining("the server is draining and admits no new requests")
         if params.max_tokens > self.max_tokens_limit:
             raise ValueError(f"max_tokens must be at most {self.max_tokens_limit}, got {params.max_tokens}")
-        self.engine.validate_prompt(prompt_token_ids, params)  # reads only immutable config
         with self._lock:
             waiting = self._pending + self._num_waiting
             if waiting >= self.max_waiting:
@@ -245,18 +244,15 @@ class EngineService:
 
     def _run(self) -> None:
         while True:
-            busy = self.engine.has_unfinished_requests()
-            try:
-                # block only when there is nothing to step
-                cmd = self._commands.get(block=not busy, timeout=None if not busy else 0)
-            except queue.Empty:
-                cmd = None
-            while cmd is not None:
-                cmd()
+            # block for a command only when there is nothing to step; then run every queued one
+            if not self.engine.has_unfinished_requests():
+                self._commands.get()()
+            while True:
                 try:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
-                    cmd = None
+                    break
+                cmd()
             if self._stopping and not self._tracked:
                 return
             with self._lock:

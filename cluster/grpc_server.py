@@ -4,7 +4,6 @@ thin layer over one `EngineService`. Messages are protobuf only; nothing on the 
 
 from __future__ import annotations
 
-import logging
 import uuid
 from typing import Any
 
@@ -16,8 +15,6 @@ from kvstrata.cluster.engine_service import Delta, Draining, EngineService, Over
 from kvstrata.protos.v1 import generation_pb2 as pb
 from kvstrata.protos.v1 import generation_pb2_grpc as pb_grpc
 from kvstrata.worker.sampling_params import SamplingParams
-
-log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 16 << 20
 SERVICE_NAMES = ("kvstrata.v1.Generation", "kvstrata.v1.Admin")
@@ -53,9 +50,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return self.tokenizer.encode(request.text), request.text
         if kind == "token_ids":
             return list(request.token_ids.ids), None
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        return self._chat(request.chat, "prompt.chat.messages")
+
+    def _chat(self, chat: pb.ChatMessages, field: str) -> tuple[list[int], str]:
+        """Chat messages through the model's template -> (token ids, templated text)."""
+        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
         if not messages:
-            raise ValueError("prompt.chat.messages is empty")
+            raise ValueError(f"{field} is empty")
         text = self.tokenizer.apply_chat_template(messages)
         return self.tokenizer.encode(text, add_special_tokens=False), text
 
@@ -86,10 +87,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if kind == "text":
                 ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
             elif kind == "chat":
-                messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-                if not messages:
-                    raise ValueError("input.chat.messages is empty")
-                ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+                ids, _ = self._chat(request.chat, "input.chat.messages")
             else:
                 raise ValueError("input is required: set text or chat")
         except ValueError as e:

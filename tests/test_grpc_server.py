@@ -115,7 +115,7 @@ def test_stop_string_is_never_streamed(live, llm):
     text = "".join(r.text for r in responses)
     assert stop not in text
     assert text == ref[: ref.index(stop)]
-    assert responses[-2].finish_reason == "stop" or any(r.finish_reason == "stop" for r in responses)
+    assert any(r.finish_reason == "stop" for r in responses)
 
 
 def test_n_samples_and_chat_prompt(live):
@@ -244,7 +244,7 @@ def test_generated_code_is_fresh():
     assert result.returncode == 0, result.stderr
 
 
-def test_serve_command_serves_and_drains_on_sigterm(tmp_path):
+def test_serve_command_serves_and_drains_on_sigterm():
     import os
     import signal
 

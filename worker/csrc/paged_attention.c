@@ -15,8 +15,6 @@
 #include <stdint.h>
 #include <string.h>
 
-
-
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
     float f;
@@ -25,6 +23,7 @@ static inline float bf16_to_f32(uint16_t x) {
 }
 
 typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 #define UNROLL _Pragma("GCC unroll 16")
 
 static inline __attribute__((always_inline)) v16f load16(const float *p) {
@@ -33,7 +32,6 @@ static inline __attribute__((always_inline)) v16f load16(const float *p) {
     return v;
 }
 
-typedef int32_t v16i __attribute__((vector_size(64)));
 static const v16i lane_ids = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 static inline __attribute__((always_inline)) v16f select16(v16i mask, v16f a, v16f b) {
@@ -167,7 +165,7 @@ static inline __attribute__((always_inline)) void decode_queries(
             v16i live = lane_ids < (int32_t)nj;
             UNROLL for (int g = 0; g < NQ; g++) {
                 v16f sc = transpose_sum16(part + g * 16);
-                sc = select16(live, sc, (v16f){0} - 1e30f); /* padding lanes weigh exp(-1e30) = 0 */
+                sc = select16(live, sc, (v16f){0} - 1e30f); /* padding: weighs e^-87, never read by the value pass */
                 memcpy(s + g * bs16 + j0, &sc, sizeof sc);
             }
         }
@@ -302,14 +300,14 @@ void kvs_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache
                           const int64_t *block_tables, const int64_t *seq_lens, float *out,
                           int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs,
                           int64_t width, float scale) {
-    decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d,
-                    bs, width, scale, 0);
+    decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
+               width, scale, 0);
 }
 
 void kvs_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *block_tables, const int64_t *seq_lens, float *out,
                            int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs,
                            int64_t width, float scale) {
-    decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d,
-                    bs, width, scale, 1);
+    decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
+               width, scale, 1);
 }
