@@ -125,7 +125,8 @@ class AdminServicer(pb_grpc.AdminServicer):
             await set_serving(self.health, False)
         return pb.DrainResponse(in_flight=in_flight)
 
-    async def FlushCache(self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext) -> pb.FlushCacheResponse:
+    async def FlushCache(self, request: pb.FlushCacheRequest,
+                         context: grpc.aio.ServicerContext) -> pb.FlushCacheResponse:
         return pb.FlushCacheResponse(blocks_flushed=await self.service.flush_cache())
 
 
@@ -136,7 +137,8 @@ async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool)
 
 
 def build_server(service: EngineService, address: str,
-                 credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+                 credentials: grpc.ServerCredentials | None = None,
+                 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """A started-on-demand grpc.aio server with every service registered; returns it, its health
     servicer and the bound port (useful with port 0)."""
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
