@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvstrata.cluster.argtypes import integer, non_negative_float
 from kvstrata.cluster.bench.cli import add_bench_parser
+from kvstrata.cluster.client_cmd import add_client_parser
 from kvstrata.cluster.serve_cmd import add_serve_parser
 from kvstrata.cluster.size_cmd import add_size_parser
 from kvstrata.worker.model_source import DEFAULT_MODEL
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate_parser(sub)
     add_serve_parser(sub)
+    add_client_parser(sub)
     add_size_parser(sub)
     add_bench_parser(sub)
     return parser

@@ -14,9 +14,11 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from kvstrata.cluster.metrics import ServingMetrics
 from kvstrata.worker.engine import LLMEngine
 from kvstrata.worker.outputs import RequestOutput
 from kvstrata.worker.sampling_params import SamplingParams
@@ -113,11 +115,45 @@ class _Tracked:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
 
+class _Timer:
+    """Latency of one request as its consumer sees it, fed to the metrics histograms."""
+
+    def __init__(self, metrics: ServingMetrics | None, num_prompt_tokens: int):
+        self.metrics = metrics
+        self.num_prompt_tokens = num_prompt_tokens
+        self.start = time.perf_counter()
+        self.last: float | None = None
+        self.num_tokens = 0
+
+    def step(self, item: StreamItem) -> None:
+        new = sum(len(d.token_ids) for d in item.deltas)
+        if self.metrics is None or not new:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+        self.num_tokens += new
+
+    def finish(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.e2e.observe(time.perf_counter() - self.start)
+            self.metrics.observe_finished(reason, self.num_prompt_tokens, self.num_tokens)
+
+    def reject(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_rejected(reason)
+
+
 class EngineService:
     """Owns an `LLMEngine` and its step thread. `max_waiting` bounds requests not yet admitted."""
 
-    def __init__(self, engine: LLMEngine, max_waiting: int = 256, max_tokens_limit: int = 4096):
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256, max_tokens_limit: int = 4096,
+                 metrics: ServingMetrics | None = None):
         self.engine = engine
+        self.metrics = metrics
         self.max_waiting = max_waiting
         self.max_tokens_limit = max_tokens_limit
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -141,13 +177,17 @@ class EngineService:
                        cache_salt: str = "", prompt: str | None = None) -> AsyncIterator[StreamItem]:
         """Stream one request. Raises ValueError for bad input, Overloaded or Draining before any
         output; cancelling the consumer (client gone, deadline) aborts the request and frees its blocks."""
+        timer = _Timer(self.metrics, len(prompt_token_ids))
         if self.draining or self._stopping:
+            timer.reject("draining")
             raise Draining("the server is draining and admits no new requests")
         if params.max_tokens > self.max_tokens_limit:
+            timer.reject("invalid")
             raise ValueError(f"max_tokens must be at most {self.max_tokens_limit}, got {params.max_tokens}")
         with self._lock:
             waiting = self._pending + self._num_waiting
             if waiting >= self.max_waiting:
+                timer.reject("overloaded")
                 raise Overloaded(f"{waiting} requests are waiting (limit {self.max_waiting}); retry later")
             self._pending += 1
         rid = request_id or f"req-{next(self._ids)}"
@@ -160,7 +200,7 @@ class EngineService:
                 if rid in self._tracked or rid in self.engine.groups:
                     raise ValueError(f"request_id {rid!r} is already in use")
                 self.engine.add_request(rid, prompt_token_ids, params, prompt=prompt, cache_salt=cache_salt)
-            except ValueError as e:
+            except Exception as e:  # the request's own error; the engine thread carries on
                 with self._lock:
                     self._pending -= 1
                 tracked.push(e)
@@ -171,21 +211,28 @@ class EngineService:
                 self._tracked[rid] = tracked
 
         self._commands.put(add)
-        finished = False
+        state = "admitted"  # or "refused" (bad input, seen on the engine thread) or "done"
         try:
             while True:
                 item = await out.get()
+                if isinstance(item, ValueError):
+                    state = "refused"
+                    timer.reject("invalid")
                 if isinstance(item, BaseException):
                     raise item
                 if item is None:  # aborted by shutdown
                     return
-                yield item
+                timer.step(item)
                 if item.usage is not None:
-                    finished = True
+                    state = "done"
+                    timer.finish(next((d.finish_reason for d in item.deltas if d.finish_reason), "stop"))
+                yield item
+                if state == "done":
                     return
         finally:
-            if not finished:
+            if state == "admitted":
                 self._commands.put(lambda: self._abort(rid))
+                timer.finish("abort")
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the engine thread, between steps, and return its result."""

@@ -10,8 +10,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from google.protobuf.message import DecodeError
 
 from kvstrata.cluster.engine_service import Delta, Draining, EngineService, Overloaded
+from kvstrata.cluster.tenants import PermissionDenied, Tenant, TenantAuth, Unauthenticated, bearer_token, grpc_peer_host
 from kvstrata.protos.v1 import generation_pb2 as pb
 from kvstrata.protos.v1 import generation_pb2_grpc as pb_grpc
 from kvstrata.worker.sampling_params import SamplingParams
@@ -34,9 +36,24 @@ def sampling_params(opts: pb.SamplingOptions) -> SamplingParams:
     return SamplingParams(**kw)
 
 
+async def authenticate(auth: TenantAuth, context: grpc.aio.ServicerContext, admin: bool = False) -> Tenant:
+    """The caller's tenant from its `authorization: Bearer KEY` metadata; aborts the call when refused."""
+    metadata = {k: v for k, v in (context.invocation_metadata() or ())}
+    try:
+        tenant = auth.authenticate(bearer_token(metadata.get("authorization")), grpc_peer_host(context.peer()))
+        if admin:
+            auth.require_admin(tenant)
+    except Unauthenticated as e:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+    except PermissionDenied as e:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+    return tenant
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, service: EngineService):
+    def __init__(self, service: EngineService, auth: TenantAuth):
         self.service = service
+        self.auth = auth
         self.engine = service.engine
         self.tokenizer = service.engine.tokenizer
 
@@ -61,11 +78,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return self.tokenizer.encode(text, add_special_tokens=False), text
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        tenant = await authenticate(self.auth, context)
         try:
             prompt_ids, text = self._prompt(request)
             params = sampling_params(request.sampling)
             rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
-            async for item in self.service.generate(prompt_ids, params, request_id=rid, prompt=text):
+            salt = self.auth.cache_salt(tenant.name)
+            async for item in self.service.generate(prompt_ids, params, request_id=rid, prompt=text, cache_salt=salt):
                 for d in item.deltas:
                     yield _response(d, rid)
                 if item.usage is not None:
@@ -82,6 +101,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        await authenticate(self.auth, context)
         kind = request.WhichOneof("input")
         try:
             if kind == "text":
@@ -95,6 +115,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.TokenizeResponse(token_ids=ids, tokens=[self.tokenizer.id_to_token(i) or "" for i in ids])
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        await authenticate(self.auth, context)
         c = self.engine.config
         return pb.ModelInfo(
             model_id=self.engine.model_id, dtype=str(self.engine.runner.model.dtype).removeprefix("torch."),
@@ -111,15 +132,19 @@ def _response(d: Delta, request_id: str) -> pb.GenerateResponse:
 
 
 class AdminServicer(pb_grpc.AdminServicer):
-    def __init__(self, service: EngineService, health_servicer: health.aio.HealthServicer | None = None):
+    def __init__(self, service: EngineService, auth: TenantAuth,
+                 health_servicer: health.aio.HealthServicer | None = None):
         self.service = service
+        self.auth = auth
         self.health = health_servicer
 
     async def GetCacheStats(self, request: pb.GetCacheStatsRequest, context: grpc.aio.ServicerContext) -> pb.CacheStats:
+        await authenticate(self.auth, context, admin=True)
         s = await self.service.cache_stats()
         return pb.CacheStats(**{f.name: s[f.name] for f in pb.CacheStats.DESCRIPTOR.fields})
 
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
+        await authenticate(self.auth, context, admin=True)
         in_flight = self.service.drain()
         if self.health is not None:
             await set_serving(self.health, False)
@@ -127,6 +152,7 @@ class AdminServicer(pb_grpc.AdminServicer):
 
     async def FlushCache(self, request: pb.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> pb.FlushCacheResponse:
+        await authenticate(self.auth, context, admin=True)
         return pb.FlushCacheResponse(blocks_flushed=await self.service.flush_cache())
 
 
@@ -136,17 +162,74 @@ async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool)
         await health_servicer.set(name, status)
 
 
-def build_server(service: EngineService, address: str,
-                 credentials: grpc.ServerCredentials | None = None,
-                 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None = None) -> grpc.ServerCredentials:
+    """TLS from PEM files; with a client CA, clients must present a certificate it signed (mTLS)."""
+    def read(path: str, what: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise ValueError(f"{what}: cannot read {path}: {e.strerror}") from None
+
+    ca = read(client_ca_file, "tls_client_ca") if client_ca_file else None
+    return grpc.ssl_server_credentials([(read(key_file, "tls_key"), read(cert_file, "tls_cert"))],
+                                       root_certificates=ca, require_client_auth=ca is not None)
+
+
+def _handlers(service_name: str, servicer: Any) -> grpc.GenericRpcHandler:
+    """Like the generated add_*_to_server, but a request that does not parse is INVALID_ARGUMENT
+    (grpc would answer UNKNOWN with no details, and log a traceback)."""
+    descriptor = pb.DESCRIPTOR.services_by_name[service_name]
+    handlers = {}
+    for method in descriptor.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(_guarded(getattr(servicer, method.name), method.server_streaming),
+                                     request_deserializer=_lenient_parser(request_cls),
+                                     response_serializer=response_cls.SerializeToString)
+    return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
+
+
+def _lenient_parser(cls: Any):
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except DecodeError:
+            return None  # refused by _guarded, with a status that says why
+    return parse
+
+
+def _guarded(behaviour: Any, streaming: bool) -> Any:
+    message = "the request is not a valid protobuf message of the method's request type"
+    if streaming:
+        async def stream(request: Any, context: grpc.aio.ServicerContext):
+            if request is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+            async for response in behaviour(request, context):
+                yield response
+        return stream
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        return await behaviour(request, context)
+    return unary
+
+
+def build_server(service: EngineService, address: str, credentials: grpc.ServerCredentials | None = None,
+                 auth: TenantAuth | None = None) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """A started-on-demand grpc.aio server with every service registered; returns it, its health
-    servicer and the bound port (useful with port 0)."""
+    servicer and the bound port (useful with port 0). Without `auth`, the server is open to loopback."""
+    auth = auth or TenantAuth()
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
     server = grpc.aio.server(options=options)
     health_servicer = health.aio.HealthServicer()
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(service), server)
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(service, health_servicer), server)
+    server.add_generic_rpc_handlers((
+        _handlers("Generation", GenerationServicer(service, auth)),
+        _handlers("Admin", AdminServicer(service, auth, health_servicer)),
+    ))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)

@@ -1,93 +1,279 @@
-"""`kvstrata serve`: one in-process engine behind the gRPC front end.
+"""`kvstrata serve`: one in-process engine behind the gRPC and OpenAI-compatible HTTP front ends.
 
-Every flag can also come from an environment variable, KVSTRATA_<FLAG> (for example
-KVSTRATA_GRPC_PORT=6000); a flag on the command line wins. SIGTERM or SIGINT drains: health turns
-NOT_SERVING at once, new requests get UNAVAILABLE, and requests in flight get `--grace-period`
-seconds to finish before they are aborted.
+Each option comes from, in order of precedence: its command-line flag, its KVSTRATA_<NAME>
+environment variable (for example KVSTRATA_GRPC_PORT=6000), the YAML file given by --config (keys are
+the option names, with '_' or '-'), and its built-in default.
+
+API keys: `tenant:key` entries, one per line in --api-keys-file and/or comma-separated in the
+KVSTRATA_API_KEYS environment variable. With none, the server admits everyone as tenant `default`,
+from loopback only, and refuses to bind anything else. KVSTRATA_CACHE_SALT_SECRET (or the file in
+--cache-salt-secret-file) keys the per-tenant cache salts; servers that should share prefixes must
+share it. Without it each process picks a random one.
+
+SIGTERM or SIGINT drains: health turns NOT_SERVING (HTTP /health 503) at once, new requests get
+UNAVAILABLE or 503, and requests in flight get --grace-period seconds to finish before they are aborted.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
 
 from kvstrata.cluster.argtypes import integer
 from kvstrata.worker.model_source import DEFAULT_MODEL
 
 log = logging.getLogger("kvstrata.serve")
 
-DEFAULTS = {
-    "model": DEFAULT_MODEL,
-    "grpc_host": "127.0.0.1",
-    "grpc_port": "50051",
-    "dtype": None,
-    "num_gpu_blocks": None,
-    "max_model_len": None,
-    "max_waiting": "256",
-    "max_tokens_limit": "4096",
-    "grace_period": "30",
-}
+
+def _boolean(text: str) -> bool:
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def _default(name: str) -> str | None:
-    return os.environ.get(f"KVSTRATA_{name.upper()}", DEFAULTS[name])
+def _port(text: str) -> int:
+    value = integer(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _text(text: str) -> str:
+    return str(text)
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+
+
+OPTIONS = [
+    Option("model", _text, DEFAULT_MODEL, "alias, HF directory or .gguf file"),
+    Option("served_model_name", _text, None, "the model name clients use (default: --model)"),
+    Option("grpc_host", _text, "127.0.0.1", "gRPC bind address"),
+    Option("grpc_port", _port, 50051, "gRPC port; 0 picks a free one"),
+    Option("http_host", _text, "127.0.0.1", "HTTP bind address"),
+    Option("http_port", _port, 8000, "HTTP port; 0 picks a free one"),
+    Option("disable_grpc", _boolean, False, "serve HTTP only"),
+    Option("disable_http", _boolean, False, "serve gRPC only"),
+    Option("dtype", _text, None, "float32, bfloat16 or float16 (default: the model's)",
+           ("float32", "bfloat16", "float16")),
+    Option("num_gpu_blocks", _positive, None, "cap the KV pool at this many blocks"),
+    Option("max_model_len", _positive, None, "context limit (default: the model's)"),
+    Option("max_waiting", _positive, 256, "requests allowed to wait for admission before 429/RESOURCE_EXHAUSTED"),
+    Option("max_tokens_limit", _positive, 4096, "largest max_tokens a request may ask for"),
+    Option("grace_period", integer, 30, "seconds in-flight requests get to finish on SIGTERM"),
+    Option("api_keys_file", _text, None, "file of tenant:key lines"),
+    Option("admin_tenants", _text, None, "comma-separated tenants allowed to use the Admin service"),
+    Option("cache_salt_secret_file", _text, None, "file holding the secret that keys per-tenant cache salts"),
+    Option("tls_cert", _text, None, "PEM server certificate (turns TLS on for gRPC and HTTP)"),
+    Option("tls_key", _text, None, "PEM private key of --tls-cert"),
+    Option("tls_client_ca", _text, None, "PEM CA; clients must present a certificate it signed (mTLS)"),
+    Option("log_level", _text, "info", "debug, info, warning or error", ("debug", "info", "warning", "error")),
+]
+_BY_NAME = {o.name: o for o in OPTIONS}
 
 
 def add_serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve the model over gRPC",
+    p = sub.add_parser("serve", help="serve the model over gRPC and OpenAI-compatible HTTP",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=_default("model"), help="alias, HF directory or .gguf file [KVSTRATA_MODEL]")
-    p.add_argument("--grpc-host", default=_default("grpc_host"), help="gRPC bind address (default 127.0.0.1) "
-                   "[KVSTRATA_GRPC_HOST]")
-    p.add_argument("--grpc-port", type=integer, default=_default("grpc_port"),
-                   help="gRPC port (default 50051; 0 picks a free one) [KVSTRATA_GRPC_PORT]")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=_default("dtype"),
-                   help="[KVSTRATA_DTYPE]")
-    p.add_argument("--num-gpu-blocks", type=integer, default=_default("num_gpu_blocks"),
-                   help="cap the KV pool at this many blocks [KVSTRATA_NUM_GPU_BLOCKS]")
-    p.add_argument("--max-model-len", type=integer, default=_default("max_model_len"),
-                   help="[KVSTRATA_MAX_MODEL_LEN]")
-    p.add_argument("--max-waiting", type=integer, default=_default("max_waiting"),
-                   help="requests allowed to wait for admission before RESOURCE_EXHAUSTED (default 256) "
-                   "[KVSTRATA_MAX_WAITING]")
-    p.add_argument("--max-tokens-limit", type=integer, default=_default("max_tokens_limit"),
-                   help="largest max_tokens a request may ask for (default 4096) [KVSTRATA_MAX_TOKENS_LIMIT]")
-    p.add_argument("--grace-period", type=integer, default=_default("grace_period"),
-                   help="seconds in-flight requests get to finish on SIGTERM (default 30) [KVSTRATA_GRACE_PERIOD]")
+    p.add_argument("--config", type=Path, default=None, help="YAML file of options [KVSTRATA_CONFIG]")
+    for o in OPTIONS:
+        flag = "--" + o.name.replace("_", "-")
+        default = "" if o.default is None else f" (default {o.default})"
+        help_text = f"{o.help}{default} [KVSTRATA_{o.name.upper()}]"
+        if o.parse is _boolean:
+            p.add_argument(flag, action="store_const", const=True, default=None, help=help_text)
+        else:
+            p.add_argument(flag, type=o.parse, default=None, choices=o.choices, help=help_text)
     p.set_defaults(func=run_serve)
+
+
+def resolve_options(args: argparse.Namespace, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Flag, then KVSTRATA_<NAME>, then the --config file, then the default. ValueError names the source."""
+    env = os.environ if environ is None else environ
+    config_path = args.config or env.get("KVSTRATA_CONFIG")
+    config = load_config(config_path) if config_path else {}
+    resolved: dict[str, Any] = {}
+    for o in OPTIONS:
+        value = getattr(args, o.name, None)
+        if value is None and f"KVSTRATA_{o.name.upper()}" in env:
+            value = _convert(o, env[f"KVSTRATA_{o.name.upper()}"], f"KVSTRATA_{o.name.upper()}")
+        if value is None and o.name in config:
+            value = _convert(o, config[o.name], f"{config_path}: {o.name}")
+        resolved[o.name] = o.default if value is None else value
+    return resolved
+
+
+def _convert(o: Option, raw: Any, source: str) -> Any:
+    if raw is None:
+        return None
+    try:
+        value = o.parse(str(raw).lower() if isinstance(raw, bool) else str(raw))
+    except (argparse.ArgumentTypeError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from None
+    if o.choices and value not in o.choices:
+        raise ValueError(f"{source}: expected one of {', '.join(o.choices)}, got {value!r}")
+    return value
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"--config: cannot read {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config: {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config: {path} must hold a mapping of option names to values")
+    config = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in _BY_NAME:
+            raise ValueError(f"--config: {path}: unknown option {key!r}")
+        config[name] = value
+    return config
+
+
+def _read_secret(path: str | None) -> str | None:
+    if path is None:
+        return os.environ.get("KVSTRATA_CACHE_SALT_SECRET")
+    try:
+        return Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cache_salt_secret_file: cannot read {path}: {e.strerror}") from None
+
+
+def build_auth(opts: dict[str, Any]):
+    from kvstrata.cluster.tenants import TenantAuth, is_loopback
+
+    auth = TenantAuth.from_sources(opts["api_keys_file"], os.environ.get("KVSTRATA_API_KEYS"),
+                                   opts["admin_tenants"], _read_secret(opts["cache_salt_secret_file"]))
+    if auth.open:
+        for front in ("grpc", "http"):
+            host = opts[f"{front}_host"]
+            if not opts[f"disable_{front}"] and not is_loopback(_resolve_host(host)):
+                raise ValueError(f"{front}_host {host}: with no API keys configured the server may only bind "
+                                 "loopback; give --api-keys-file or KVSTRATA_API_KEYS")
+    return auth
+
+
+def _resolve_host(host: str) -> str:
+    return "127.0.0.1" if host == "localhost" else host
+
+
+def _check_tls(opts: dict[str, Any]) -> None:
+    if bool(opts["tls_cert"]) != bool(opts["tls_key"]):
+        raise ValueError("tls_cert and tls_key go together: give both or neither")
+    if opts["tls_client_ca"] and not opts["tls_cert"]:
+        raise ValueError("tls_client_ca needs tls_cert and tls_key")
+    if opts["disable_grpc"] and opts["disable_http"]:
+        raise ValueError("disable_grpc and disable_http: at least one front end must be on")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from kvstrata.worker.llm import LLM
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    llm = LLM(args.model, dtype=args.dtype, num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len)
-    return asyncio.run(_serve(llm, args))
+    opts = resolve_options(args)
+    _check_tls(opts)
+    auth = build_auth(opts)
+    logging.basicConfig(level=opts["log_level"].upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    llm = LLM(opts["model"], dtype=opts["dtype"], num_gpu_blocks=opts["num_gpu_blocks"],
+              max_model_len=opts["max_model_len"])
+    return asyncio.run(_serve(llm, opts, auth))
 
 
-async def _serve(llm, args: argparse.Namespace) -> int:
+def _uvicorn_server(app, opts: dict[str, Any]):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # kvstrata serve drains on signals itself
+            yield
+
+    tls: dict[str, Any] = {}
+    if opts["tls_cert"]:
+        tls = {"ssl_certfile": opts["tls_cert"], "ssl_keyfile": opts["tls_key"]}
+        if opts["tls_client_ca"]:
+            tls.update(ssl_ca_certs=opts["tls_client_ca"], ssl_cert_reqs=ssl.CERT_REQUIRED)
+    config = uvicorn.Config(app, host=opts["http_host"], port=opts["http_port"], log_level=opts["log_level"],
+                            access_log=False, timeout_graceful_shutdown=1, **tls)
+    return Server(config)
+
+
+async def _serve(llm, opts: dict[str, Any], auth) -> int:
     from kvstrata.cluster.engine_service import EngineService
-    from kvstrata.cluster.grpc_server import build_server, set_serving
+    from kvstrata.cluster.grpc_server import build_server, server_credentials, set_serving
+    from kvstrata.cluster.http_server import OpenAIServer
+    from kvstrata.cluster.metrics import ServingMetrics
 
-    service = EngineService(llm.engine, max_waiting=args.max_waiting, max_tokens_limit=args.max_tokens_limit)
-    server, health, port = build_server(service, f"{args.grpc_host}:{args.grpc_port}")
-    await server.start()
-    await set_serving(health, True)
-    # one line a supervisor (or a test) can wait for
-    print(f"kvstrata serving {llm.model_id} gRPC on {args.grpc_host}:{port}", flush=True)
+    name = opts["served_model_name"] or opts["model"]
+    metrics = ServingMetrics(name)
+    service = EngineService(llm.engine, max_waiting=opts["max_waiting"], max_tokens_limit=opts["max_tokens_limit"],
+                            metrics=metrics)
+    grpc_server = health = http = http_task = None
+    scheme = "https" if opts["tls_cert"] else "http"
+    if not opts["disable_grpc"]:
+        creds = None
+        if opts["tls_cert"]:
+            creds = server_credentials(opts["tls_cert"], opts["tls_key"], opts["tls_client_ca"])
+        grpc_server, health, port = build_server(service, f"{opts['grpc_host']}:{opts['grpc_port']}", creds, auth)
+        await grpc_server.start()
+        await set_serving(health, True)
+        # lines a supervisor (or a test) can wait for
+        print(f"kvstrata serving {name} gRPC on {opts['grpc_host']}:{port}", flush=True)
+    if not opts["disable_http"]:
+        api = OpenAIServer(service, [name, llm.model_id], auth=auth, metrics=metrics)
+        http = _uvicorn_server(api.app, opts)
+        http_task = asyncio.create_task(http.serve())
+        while not http.started:
+            if http_task.done():
+                service.shutdown()
+                raise ValueError(f"http_port {opts['http_port']}: the HTTP server did not start (port in use?)")
+            await asyncio.sleep(0.02)
+        port = http.servers[0].sockets[0].getsockname()[1]
+        print(f"kvstrata serving {name} HTTP on {scheme}://{opts['http_host']}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     in_flight = service.drain()
-    await set_serving(health, False)
-    log.info("draining: %d requests in flight, grace period %ds", in_flight, args.grace_period)
-    if not await service.wait_idle(args.grace_period):
+    if health is not None:
+        await set_serving(health, False)
+    log.info("draining: %d requests in flight, grace period %ds", in_flight, opts["grace_period"])
+    if not await service.wait_idle(opts["grace_period"]):
         log.warning("grace period over; aborting %d requests", service.num_in_flight)
-    await server.stop(grace=1)
     service.shutdown()
+    if http is not None:
+        http.should_exit = True
+        await http_task
+    if grpc_server is not None:
+        await grpc_server.stop(grace=1)
     return 0

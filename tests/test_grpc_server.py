@@ -3,10 +3,8 @@ Tokenize, model info, admin, health and reflection, bad input, cancellation and 
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -19,63 +17,16 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa:
 from kvstrata.protos.v1 import generation_pb2 as pb  # noqa: E402
 from kvstrata.protos.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 from kvstrata.worker.sampling_params import SamplingParams  # noqa: E402
+from tests.servers import LiveServer, used_blocks, wait_for_used_blocks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
-class LiveServer:
-    """EngineService + grpc.aio server on an event loop in a background thread."""
-
-    def __init__(self, llm, **service_kw):
-        from kvstrata.cluster.engine_service import EngineService
-        from kvstrata.cluster.grpc_server import build_server, set_serving
-
-        self.llm = llm
-        self.loop = asyncio.new_event_loop()
-        self.service = EngineService(llm.engine, **service_kw)
-        ready = threading.Event()
-
-        async def start():
-            self.server, self.health, self.port = build_server(self.service, "127.0.0.1:0")
-            await set_serving(self.health, True)
-            await self.server.start()
-            ready.set()
-
-        self.thread = threading.Thread(target=lambda: (self.loop.run_until_complete(start()), self.loop.run_forever()),
-                                       daemon=True)
-        self.thread.start()
-        assert ready.wait(30), "server did not start"
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.gen = pb_grpc.GenerationStub(self.channel)
-        self.admin = pb_grpc.AdminStub(self.channel)
-
-    def stop(self) -> None:
-        self.channel.close()
-        asyncio.run_coroutine_threadsafe(self.server.stop(None), self.loop).result(10)
-        self.service.shutdown()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def live(llm):
-    server = LiveServer(llm, max_waiting=4, max_tokens_limit=512)
+    server = LiveServer(llm, http=False, max_waiting=4, max_tokens_limit=512)
     yield server
     server.stop()
-
-
-def _used(llm) -> int:
-    return llm.engine.kv.pool.num_used_blocks
-
-
-def _wait_for_used_blocks(llm, expected: int, timeout: float = 10.0) -> int:
-    """Blocks held by requests, once it returns to `expected` (aborts land on the engine thread)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _used(llm) == expected and not llm.engine.has_unfinished_requests():
-            break
-        time.sleep(0.05)
-    return _used(llm)
 
 
 def test_generate_streams_tokens_equal_to_the_in_process_engine(live, llm):
@@ -154,18 +105,18 @@ def test_prompt_over_max_model_len_is_invalid_argument(live, llm):
 
 
 def test_cancel_and_deadline_abort_the_request_and_free_its_blocks(live, llm):
-    before = _used(llm)
+    before = used_blocks(llm)
     call = live.gen.Generate(pb.GenerateRequest(
         text="Tell me a long story about a cache.",
         sampling=pb.SamplingOptions(max_tokens=400, temperature=0.0, ignore_eos=True)))
     next(call)  # the request is running
     call.cancel()
-    assert _wait_for_used_blocks(llm, before) == before
+    assert wait_for_used_blocks(llm, before) == before
     with pytest.raises(grpc.RpcError) as e:
         list(live.gen.Generate(pb.GenerateRequest(
             text="Another long story.", sampling=pb.SamplingOptions(max_tokens=400, ignore_eos=True)), timeout=0.5))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert _wait_for_used_blocks(llm, before) == before
+    assert wait_for_used_blocks(llm, before) == before
     llm.check_integrity()
 
 
@@ -200,7 +151,7 @@ def test_overload_answers_resource_exhausted_and_admitted_requests_finish():
 
     # one running sequence at a time, so that requests really wait, and a waiting limit of 2
     small = LLM("smollm2-135m", num_gpu_blocks=64, max_num_seqs=1)
-    server = LiveServer(small, max_waiting=2)
+    server = LiveServer(small, http=False, max_waiting=2)
     try:
         req = pb.GenerateRequest(text="Overload test.", sampling=pb.SamplingOptions(max_tokens=40, ignore_eos=True))
         calls = [server.gen.Generate(req) for _ in range(12)]
@@ -219,7 +170,7 @@ def test_overload_answers_resource_exhausted_and_admitted_requests_finish():
 
 
 def test_drain_turns_health_not_serving_and_refuses_new_requests(llm):
-    server = LiveServer(llm)
+    server = LiveServer(llm, http=False)
     try:
         running = server.gen.Generate(pb.GenerateRequest(
             text="Drain test.", sampling=pb.SamplingOptions(max_tokens=30, ignore_eos=True)))
@@ -248,7 +199,8 @@ def test_serve_command_serves_and_drains_on_sigterm():
     import os
     import signal
 
-    env = {**os.environ, "KVSTRATA_GRPC_PORT": "0"}  # the environment sets what no flag does
+    # the environment sets what no flag does
+    env = {**os.environ, "KVSTRATA_GRPC_PORT": "0", "KVSTRATA_DISABLE_HTTP": "true"}
     proc = subprocess.Popen([sys.executable, "-m", "kvstrata.cluster.cli", "serve", "--num-gpu-blocks", "64",
                              "--grace-period", "5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)

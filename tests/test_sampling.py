@@ -43,6 +43,17 @@ def test_greedy_row_in_a_random_batch_still_picks_argmax():
         assert res.token_ids[0] == 7
 
 
+def test_extreme_temperature_and_top_k_cannot_break_a_batch():
+    # a temperature so small that logits / t overflows is greedy; a top_k beyond the vocabulary (or
+    # beyond int64) means no top-k; neither may fail the step for the other rows
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2)) * 30
+    rows = [_req(0, temperature=1e-300), _req(1, temperature=1.0, top_k=10**30), _req(2, temperature=0.7, top_k=5)]
+    res = Sampler(0).sample(logits, rows)
+    assert res.token_ids[0] == int(logits[0].argmax())
+    assert all(0 <= t < 40 for t in res.token_ids)
+    assert res.token_ids[2] in logits[2].topk(5).indices.tolist()
+
+
 def test_top_k_1_equals_greedy():
     logits = torch.randn(64, 30, generator=torch.Generator().manual_seed(1))
     res = Sampler(3).sample(logits, [_req(i, temperature=1.5, top_k=1) for i in range(64)])

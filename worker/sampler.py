@@ -49,7 +49,7 @@ class Sampler:
         greedy_rows = torch.tensor([p.greedy for p in params])
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
         x = logits / temps[:, None]  # [N, V]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
         top_p = torch.tensor([p.top_p for p in params])
         min_p = torch.tensor([p.min_p for p in params])
         if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
@@ -76,6 +76,7 @@ def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     # drop a token when the mass of tokens strictly before it already reaches top_p
     mass_before = probs.cumsum(dim=-1) - probs
     remove |= mass_before >= top_p[:, None]
+    remove[:, 0] = False  # the top token always stays, whatever rounding did to a tiny top_p
     sorted_x = sorted_x.masked_fill(remove, float("-inf"))
     return torch.empty_like(x).scatter_(-1, order, sorted_x)
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_N = 64
 MAX_LOGPROBS = 20
+_MIN_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -58,7 +60,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below this, logits / temperature overflows float32; the answer is the argmax anyway
+        return self.temperature < _MIN_TEMPERATURE
 
 
 def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:
@@ -71,5 +74,5 @@ def _check_int(name: str, value: object, lo: int | None = None, hi: int | None =
 
 
 def _check_number(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
