@@ -11,131 +11,72 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvstrata.cluster.engine_service import Delta, Draining, EngineService, Overloaded, StreamItem
 from kvstrata.cluster.metrics import CONTENT_TYPE, ServingMetrics
+from kvstrata.cluster.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    CommonRequest,
+    bad_request,
+    check_unicode,
+    error_response,
+    validation_error,
+)
 from kvstrata.cluster.tenants import PermissionDenied, Tenant, TenantAuth, Unauthenticated, bearer_token
 from kvstrata.worker.sampling_params import SamplingParams
 
 
-# -- request bodies -------------------------------------------------------------------------------
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _CommonRequest(_Strict):
-    """Fields both endpoints share. null means the default, as in OpenAI's API."""
-
-    model: str
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    # extensions, as in vLLM
-    top_k: int | None = None
-    min_p: float | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-
-
-class CompletionRequest(_CommonRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Strict):
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
-class ChatCompletionRequest(_CommonRequest):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
-
-
-# -- errors --------------------------------------------------------------------------------------
-_FIELD = re.compile(r"^([a-z_]+)(?:\[\d+\])?[ .:]")
-
-
-def _error(status: int, message: str, kind: str, param: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status, headers=headers)
-
-
-def _bad_request(message: str) -> JSONResponse:
-    m = _FIELD.match(message)
-    return _error(400, message, "invalid_request_error", m.group(1) if m else None)
-
-
-def _validation_error(exc: RequestValidationError) -> JSONResponse:
-    err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    if err.get("type") == "json_invalid":
-        return _error(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}",
-                      "invalid_request_error")
-    if not loc:
-        return _error(400, f"request body: {err.get('msg')}", "invalid_request_error")
-    # unions report the branch tried ('prompt.str'); keep the field path the user wrote
-    path = ".".join(p for p in loc if p not in ("str", "list[str]", "list[int]", "list[list[int]]",
-                                                  "list[TextPart]", "float", "int"))
-    if err.get("type") == "extra_forbidden":
-        return _error(400, f"{path}: unknown or unsupported field", "invalid_request_error", loc[0])
-    if err.get("type") == "missing":
-        return _error(400, f"{path} is required", "invalid_request_error", loc[0])
-    return _error(400, f"{path}: {err.get('msg')}", "invalid_request_error", loc[0])
-
-
-def _check_unicode(text: str, field_name: str) -> None:
-    """JSON can carry lone surrogates (\\ud800), which are not text; refuse them by name."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{field_name} holds an invalid character (a lone surrogate) at position {e.start}") from None
+MAX_BODY_BYTES = 16 << 20  # as the gRPC message cap
 
 
 class _ClientGone(Exception):
     pass
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is 413, by its Content-Length or, for a
+    chunked body, as soon as the bytes read pass the limit."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            response = error_response(413, f"request body: over {self.limit} bytes", "invalid_request_error")
+            return await response(scope, receive, send)
+        seen = 0
+        refused = False
+
+        async def limited_receive() -> dict:
+            nonlocal seen, refused
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit and not refused:
+                refused = True  # answer 413 now; the app sees the client leave and its own answer is dropped
+                response = error_response(413, f"request body: over {self.limit} bytes", "invalid_request_error")
+                await response(scope, receive, send)
+                return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: dict) -> None:
+            if not refused:
+                await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
 
 
 # -- running engine requests ---------------------------------------------------------------------
@@ -277,10 +218,10 @@ class OpenAIServer:
     def _check_model(self, name: str) -> JSONResponse | None:
         if name in self.model_names:
             return None
-        return _error(404, f"model {name!r} is not served here; available: {', '.join(self.model_names)}",
+        return error_response(404, f"model {name!r} is not served here; available: {', '.join(self.model_names)}",
                       "not_found_error", "model")
 
-    def _sampling(self, req: _CommonRequest, max_tokens: int, logprobs: int | None,
+    def _sampling(self, req: CommonRequest, max_tokens: int, logprobs: int | None,
                   max_tokens_field: str = "max_tokens", logprobs_field: str = "logprobs") -> SamplingParams:
         """ValueErrors name the field as the client wrote it (chat has max_completion_tokens, top_logprobs)."""
         if max_tokens > self.service.max_tokens_limit:
@@ -307,7 +248,7 @@ class OpenAIServer:
     def _token_strings(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
 
-    async def _run(self, request: Request, tenant: Tenant, req: _CommonRequest,
+    async def _run(self, request: Request, tenant: Tenant, req: CommonRequest,
                    prompts: list[tuple[list[int], str | None]], params: SamplingParams, prefix: str,
                    render: Callable[[list[_Choice], _Usage, str, int], dict[str, Any]],
                    chunk: Callable[[int, Delta, str, int], dict[str, Any]],
@@ -429,7 +370,7 @@ class OpenAIServer:
             if isinstance(p, str):
                 if not p:
                     raise ValueError(f"prompt[{i}] is empty")
-                _check_unicode(p, f"prompt[{i}]")
+                check_unicode(p, f"prompt[{i}]")
                 out.append((self.tokenizer.encode(p), p))
             else:
                 if not p:
@@ -449,8 +390,8 @@ class OpenAIServer:
         for m in req.messages:
             content = m.content if isinstance(m.content, str) or m.content is None else \
                 "".join(p.text for p in m.content)
-            _check_unicode(content or "", "messages.content")
-            _check_unicode(m.role, "messages.role")
+            check_unicode(content or "", "messages.content")
+            check_unicode(m.role, "messages.role")
             messages.append({"role": m.role, "content": content or ""})
         if not messages:
             raise ValueError("messages is empty")
@@ -516,35 +457,36 @@ class OpenAIServer:
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="kvstrata", version="1", summary="OpenAI-compatible API of a kvstrata server")
+        app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
 
         @app.exception_handler(RequestValidationError)
         async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-            return _validation_error(exc)
+            return validation_error(exc)
 
         @app.exception_handler(StarletteHTTPException)
         async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
             kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-            return _error(exc.status_code, str(exc.detail), kind, headers=exc.headers)
+            return error_response(exc.status_code, str(exc.detail), kind, headers=exc.headers)
 
         @app.exception_handler(ValueError)
         async def on_value_error(request: Request, exc: ValueError) -> JSONResponse:
-            return _bad_request(str(exc))
+            return bad_request(str(exc))
 
         @app.exception_handler(Unauthenticated)
         async def on_unauthenticated(request: Request, exc: Unauthenticated) -> JSONResponse:
-            return _error(401, str(exc), "authentication_error", headers={"WWW-Authenticate": "Bearer"})
+            return error_response(401, str(exc), "authentication_error", headers={"WWW-Authenticate": "Bearer"})
 
         @app.exception_handler(PermissionDenied)
         async def on_denied(request: Request, exc: PermissionDenied) -> JSONResponse:
-            return _error(403, str(exc), "permission_error")
+            return error_response(403, str(exc), "permission_error")
 
         @app.exception_handler(Overloaded)
         async def on_overloaded(request: Request, exc: Overloaded) -> JSONResponse:
-            return _error(429, str(exc), "overloaded_error", headers={"Retry-After": "1"})
+            return error_response(429, str(exc), "overloaded_error", headers={"Retry-After": "1"})
 
         @app.exception_handler(Draining)
         async def on_draining(request: Request, exc: Draining) -> JSONResponse:
-            return _error(503, str(exc), "unavailable_error", headers={"Retry-After": "5"})
+            return error_response(503, str(exc), "unavailable_error", headers={"Retry-After": "5"})
 
         @app.exception_handler(_ClientGone)
         async def on_gone(request: Request, exc: _ClientGone) -> Response:

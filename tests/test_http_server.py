@@ -187,6 +187,23 @@ def test_malformed_json_unknown_model_and_bad_chat(live):
     assert _client(live).completions.create(model=MODEL, prompt="Hi", max_tokens=1).usage.completion_tokens == 1
 
 
+def test_oversized_bodies_are_413(live):
+    from kvstrata.cluster.http_server import MAX_BODY_BYTES
+
+    h = {"authorization": f"Bearer {KEY_ALPHA}", "content-type": "application/json"}
+    big = b'{"model": "m", "prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+    r = httpx.post(live.base_url + "/v1/completions", content=big, headers=h, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["message"].startswith("request body")
+
+    def chunked():  # no Content-Length: the limit applies as the bytes arrive
+        for i in range(0, len(big), 1 << 20):
+            yield big[i:i + (1 << 20)]
+
+    r = httpx.post(live.base_url + "/v1/completions", content=chunked(), headers=h, timeout=60)
+    assert r.status_code == 413
+    assert _client(live).completions.create(model=MODEL, prompt="Hi", max_tokens=1).usage.completion_tokens == 1
+
+
 def test_openapi_schema_lists_the_endpoints(live):
     paths = httpx.get(live.base_url + "/openapi.json").json()["paths"]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(paths)
@@ -367,7 +384,21 @@ def test_serve_command_with_config_keys_and_sigterm(tmp_path):
         c = openai.OpenAI(base_url=url + "/v1", api_key=KEY_ALPHA, max_retries=0, timeout=60)
         assert c.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
         assert httpx.get(url + "/v1/models").status_code == 401
+        # SIGTERM with a stream in flight: /health and new requests turn 503 at once, the stream finishes
+        stream = c.completions.create(model=MODEL, prompt="Drain me", max_tokens=40, stream=True,
+                                      extra_body={"ignore_eos": True})
+        first = next(iter(stream))
         proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health").status_code != 503:
+            assert time.monotonic() < deadline, "health never turned 503"
+            time.sleep(0.05)
+        with pytest.raises(openai.APIStatusError) as e:
+            c.completions.create(model=MODEL, prompt="late", max_tokens=2)
+        assert e.value.status_code == 503
+        chunks = [first, *stream]
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert sum(1 for ch in chunks if ch.choices[0].text) >= 30
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
