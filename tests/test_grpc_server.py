@@ -186,6 +186,7 @@ def test_drain_turns_health_not_serving_and_refuses_new_requests(llm):
         assert rest[-1].usage.completion_tokens == 30
     finally:
         server.stop()
+    assert used_blocks(llm) == 0
 
 
 def test_generated_code_is_fresh():
