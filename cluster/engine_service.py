@@ -254,7 +254,7 @@ class EngineService:
         return await self.call(lambda e: e.cache_stats())
 
     async def flush_cache(self) -> int:
-        return await self.call(lambda e: e.kv.pool.reset_prefix_cache())
+        return await self.call(lambda e: e.kv.reset_prefix_cache())
 
     def drain(self) -> int:
         """Stop admitting requests; those in flight run to completion. Returns how many there are."""

@@ -13,8 +13,12 @@ block ids index the KV tensors owned by the KV cache, so the same pool logic ser
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from kvstrata.worker.prefix_cache import KVBlock, PrefixCache
+
+# (block id, block hash, parent's hash) of cached blocks about to be reused, leaf first
+EvictHook = Callable[[list[tuple[int, bytes, "bytes | None"]]], None]
 
 
 class BlockPool:
@@ -28,6 +32,9 @@ class BlockPool:
         self.num_cached_unused = 0  # cached blocks with ref_count == 0
         self.num_evictions = 0
         self._tick = 0
+        # called with the cached blocks an allocation reuses, before anyone can write to them,
+        # so a lower tier can keep their data
+        self.on_evict: EvictHook | None = None
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -51,11 +58,17 @@ class BlockPool:
         if not self.can_allocate(num_blocks):
             raise MemoryError(f"cannot allocate {num_blocks} blocks: {self.num_free_blocks} free")
         out = []
+        evicted: list[tuple[int, bytes, bytes | None]] = []
         for _ in range(num_blocks):
-            block = self.blocks[self.free_ids.popleft()] if self.free_ids else self._evict_one()
+            if self.free_ids:
+                block = self.blocks[self.free_ids.popleft()]
+            else:
+                block = self._evict_one(evicted if self.on_evict is not None else None)
             block.ref_count = 1
             block.last_access = self._next_tick()
             out.append(block)
+        if evicted:
+            self.on_evict(evicted)
         return out
 
     def touch(self, blocks: list[KVBlock]) -> None:
@@ -114,8 +127,8 @@ class BlockPool:
         """Evict every unused cached block; returns how many were dropped."""
         return self.evict(self.num_cached_unused)
 
-    def _evict_one(self) -> KVBlock:
-        block = self.prefix_cache.pop_lru_leaf()
+    def _evict_one(self, record: list | None = None) -> KVBlock:
+        block = self.prefix_cache.pop_lru_leaf(record)
         assert block is not None, "num_cached_unused > 0 but no evictable leaf"
         self.num_cached_unused -= 1
         self.num_evictions += 1

@@ -265,4 +265,5 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
+            **({"tiers": self.kv.tiers.stats()} if self.kv.tiers is not None else {}),
         }

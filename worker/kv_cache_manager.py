@@ -15,18 +15,27 @@ the copy is recorded in `pending_copies` for the model runner to perform before 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvstrata.worker.block_pool import BlockPool
 from kvstrata.worker.prefix_cache import KVBlock
 from kvstrata.worker.request import Request
 
+if TYPE_CHECKING:
+    from kvstrata.tiering.manager import TierManager
+
 
 @dataclass(frozen=True, slots=True)
 class ComputedBlocks:
-    """Blocks found in the prefix cache for a request, and the tokens they cover."""
+    """Blocks found in the prefix cache for a request, and the tokens they cover.
+
+    `tier_hashes` continue the chain in DRAM (promoted on admission); `pending` means more of it is
+    being loaded from NVMe, so the request had better wait a step."""
 
     blocks: list[KVBlock]
     num_tokens: int
+    tier_hashes: tuple[bytes, ...] = ()
+    pending: bool = False
 
 
 NO_COMPUTED_BLOCKS = ComputedBlocks([], 0)
@@ -50,6 +59,12 @@ class KVCacheManager:
         self.pending_copies: list[BlockCopy] = []
         self.num_prompt_tokens_queried = 0
         self.num_prompt_tokens_hit = 0
+        self.tiers: TierManager | None = None
+
+    def attach_tiers(self, tiers: TierManager) -> None:
+        """Keep evicted blocks in the tiers below, and look requests up in them."""
+        self.tiers = tiers
+        self.pool.on_evict = tiers.demote
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,6 +84,11 @@ class KVCacheManager:
         request.update_block_hashes(self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks = self.pool.get_cached(request.block_hashes[:max_blocks])
+        if self.tiers is not None and len(blocks) < max_blocks:
+            n, pending = self.tiers.lookup(request.block_hashes[len(blocks):max_blocks])
+            if n or pending:
+                tier_hashes = tuple(request.block_hashes[len(blocks):len(blocks) + n])
+                return ComputedBlocks(blocks, (len(blocks) + n) * self.block_size, tier_hashes, pending)
         return ComputedBlocks(blocks, len(blocks) * self.block_size) if blocks else NO_COMPUTED_BLOCKS
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -79,10 +99,11 @@ class KVCacheManager:
         newly admitted requests do not immediately force running ones out.
         """
         start = request.num_computed_tokens + computed.num_tokens
-        num_held = len(request.block_table) + len(computed.blocks)
+        num_promoted = len(computed.tier_hashes)
+        num_held = len(request.block_table) + len(computed.blocks) + num_promoted
         num_new_blocks = max(0, self.blocks_for(start + num_new_tokens) - num_held)
-        cow_block = self._shared_partial_block(request, start) if not computed.blocks else None
-        num_needed = num_new_blocks + (cow_block is not None)
+        cow_block = self._shared_partial_block(request, start) if not computed.num_tokens else None
+        num_needed = num_new_blocks + num_promoted + (cow_block is not None)
         # touching a cached, unreferenced block takes it out of the reusable count
         num_reused = sum(1 for b in computed.blocks if b.ref_count == 0)
         reserve = self.watermark_blocks if watermark else 0
@@ -91,6 +112,9 @@ class KVCacheManager:
         if computed.blocks:
             self.pool.touch(computed.blocks)
             request.block_table.extend(computed.blocks)
+        if num_promoted:
+            self._promote(request, list(computed.tier_hashes))
+        if computed.num_tokens:
             request.num_computed_tokens += computed.num_tokens
             request.num_registered_blocks = len(request.block_table)
         if cow_block is not None:
@@ -98,6 +122,20 @@ class KVCacheManager:
         if num_new_blocks:
             request.block_table.extend(self.pool.allocate(num_new_blocks))
         return True
+
+    def _promote(self, request: Request, hashes: list[bytes]) -> None:
+        """Bring blocks from DRAM into fresh device blocks and cache them, continuing the chain."""
+        data = self.tiers.take(hashes)  # out of DRAM first: the allocation below may demote into it
+        blocks = self.pool.allocate(len(hashes))
+        self.tiers.scatter(data, [b.block_id for b in blocks])
+        parent = request.block_table[-1] if request.block_table else None
+        for block, h in zip(blocks, hashes):
+            cached = self.pool.cache(block, h, parent)
+            if cached is not block:  # computed meanwhile by another request: share that one
+                self.pool.touch([cached])
+                self.pool.free([block])
+            request.block_table.append(cached)
+            parent = cached
 
     def _shared_partial_block(self, request: Request, start: int) -> KVBlock | None:
         idx = start // self.block_size
@@ -152,6 +190,13 @@ class KVCacheManager:
         request.block_table = []
         request.num_registered_blocks = 0
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every unused cached block, in the pool and in the tiers below; returns how many."""
+        n = self.pool.reset_prefix_cache()
+        if self.tiers is not None:
+            n += self.tiers.clear()
+        return n
+
     def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.num_prompt_tokens_queried += num_prompt_tokens
         self.num_prompt_tokens_hit += num_hit_tokens
@@ -163,6 +208,8 @@ class KVCacheManager:
     def check_integrity(self, requests: list[Request] = ()) -> None:
         """Pool invariants, plus: each block's ref count equals the number of tables holding it."""
         self.pool.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
         if requests is not None:
             holders: dict[int, int] = {}
             for r in requests:

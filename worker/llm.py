@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any, Sequence
 
 import torch
@@ -23,7 +24,10 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", block_size: int = 16, num_gpu_blocks: int | None = None,
                  max_model_len: int | None = None, dtype: str | None = None, device: str | None = None,
                  seed: int = 0, enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 128, kv_cache_bytes: int | None = None):
+                 max_num_seqs: int = 128, kv_cache_bytes: int | None = None, cpu_kv_bytes: int | None = None,
+                 nvme_kv_dir: str | None = None, nvme_kv_bytes: int | None = None):
+        """cpu_kv_bytes adds a DRAM tier under the device pool, and nvme_kv_dir (with nvme_kv_bytes)
+        an NVMe tier under that: blocks the pool evicts are kept there and promoted back on a hit."""
         _check_positive("block_size", block_size)
         if num_gpu_blocks is not None:
             _check_positive("num_gpu_blocks", num_gpu_blocks)
@@ -31,6 +35,7 @@ class LLM:
             _check_positive("max_model_len", max_model_len)
         _check_positive("max_num_batched_tokens", max_num_batched_tokens)
         _check_positive("max_num_seqs", max_num_seqs)
+        _check_tier_args(cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes)
         loaded = load_model(model, dtype=dtype, device=device)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -48,6 +53,9 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len or limit,
         )
+        if cpu_kv_bytes is not None:
+            kv.attach_tiers(_build_tiers(runner, block_bytes, cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes,
+                                         f"{self.model_id}/{loaded.model.dtype}/bs{block_size}"))
         self.engine = LLMEngine(runner, self.tokenizer, kv, sched, self.model_id, seed=seed)
         self._ids = itertools.count()
 
@@ -125,12 +133,52 @@ class LLM:
         self.engine.check_integrity()
 
     def reset_prefix_cache(self) -> int:
-        return self.engine.kv.pool.reset_prefix_cache()
+        """Drop every cached block that no request holds, in every tier; returns how many."""
+        return self.engine.kv.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Finish pending tier writes and stop the tiers' IO threads."""
+        if self.engine.kv.tiers is not None:
+            self.engine.kv.tiers.close()
 
 
 def _check_positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_tier_args(cpu_kv_bytes: int | None, nvme_kv_dir: str | None, nvme_kv_bytes: int | None) -> None:
+    if cpu_kv_bytes is not None:
+        _check_positive("cpu_kv_bytes", cpu_kv_bytes)
+    if nvme_kv_dir is None:
+        if nvme_kv_bytes is not None:
+            raise ValueError("nvme_kv_bytes needs nvme_kv_dir")
+        return
+    if not isinstance(nvme_kv_dir, (str, os.PathLike)) or not str(nvme_kv_dir):
+        raise ValueError(f"nvme_kv_dir must be a directory path, got {nvme_kv_dir!r}")
+    if cpu_kv_bytes is None:
+        raise ValueError("nvme_kv_dir needs cpu_kv_bytes: blocks come back from NVMe through the DRAM tier")
+    if nvme_kv_bytes is None:
+        raise ValueError("nvme_kv_dir needs nvme_kv_bytes, the tier's capacity")
+    _check_positive("nvme_kv_bytes", nvme_kv_bytes)
+
+
+def _build_tiers(runner: ModelRunner, block_bytes: int, cpu_kv_bytes: int, nvme_kv_dir: str | None,
+                 nvme_kv_bytes: int | None, layout_tag: str):
+    from kvstrata.tiering.host import HostTier
+    from kvstrata.tiering.manager import TierManager, block_shape
+
+    num_host_blocks = cpu_kv_bytes // block_bytes
+    if num_host_blocks < 1:
+        raise ValueError(f"cpu_kv_bytes ({cpu_kv_bytes}) holds no block; one block is {block_bytes} bytes")
+    shape, dtype = block_shape(runner.kv_cache), runner.kv_cache.dtype
+    host = HostTier(num_host_blocks, shape, dtype, pin=runner.device.type == "cuda")
+    nvme = None
+    if nvme_kv_dir is not None:
+        from kvstrata.tiering.nvme import NvmeTier
+
+        nvme = NvmeTier(nvme_kv_dir, nvme_kv_bytes, shape, dtype, layout_tag=layout_tag)
+    return TierManager(runner.kv_cache, host, nvme)
 
 
 def _kv_budget(device: torch.device, kv_cache_bytes: int | None) -> int:

@@ -89,12 +89,16 @@ class PrefixCache:
         if len(self._leaf_heap) > 4 * len(self.hash_to_block) + 64:
             self._compact()
 
-    def pop_lru_leaf(self) -> KVBlock | None:
-        """The least-recently-used evictable leaf, removed from the tree; None if there is none."""
+    def pop_lru_leaf(self, record: list | None = None) -> KVBlock | None:
+        """The least-recently-used evictable leaf, removed from the tree; None if there is none.
+        With `record`, appends (block id, hash, parent's hash) of the removed block to it."""
         while self._leaf_heap:
             tick, block_id = heapq.heappop(self._leaf_heap)
             block = self._id_to_block.get(block_id)
             if block is not None and block.is_evictable and block.last_access == tick:
+                if record is not None:
+                    parent_hash = block.parent.block_hash if block.parent is not None else None
+                    record.append((block.block_id, block.block_hash, parent_hash))
                 self.remove(block)
                 return block
         return None

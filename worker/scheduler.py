@@ -113,9 +113,10 @@ class Scheduler:
             if req is None:
                 break
             computed = self.kv.get_computed_blocks(req)
-            first_uncached = len(computed.blocks)
-            if (req.num_computed_tokens == 0 and first_uncached < len(req.block_hashes)
-                    and req.block_hashes[first_uncached] in inflight):
+            first_uncached = len(computed.blocks) + len(computed.tier_hashes)
+            if computed.pending or (req.num_computed_tokens == 0 and first_uncached < len(req.block_hashes)
+                                    and req.block_hashes[first_uncached] in inflight):
+                # wait a step: for its blocks to arrive from NVMe, or for a prefill to cache them
                 deferred.append(heapq.heappop(self._waiting))
                 continue
             n = self._chunk(req.num_tokens - req.num_computed_tokens - computed.num_tokens, budget)
@@ -132,6 +133,8 @@ class Scheduler:
             inflight.update(self._hashes_computed(req, n))
         for entry in deferred:
             heapq.heappush(self._waiting, entry)
+        if not scheduled and self.kv.tiers is not None:
+            self.kv.tiers.wait_for_loads(timeout=0.05)  # nothing to run until blocks arrive from NVMe
 
         # decodes (one query token) first: attention runs them as one padded batch
         scheduled.sort(key=lambda rn: rn[1] != 1)

@@ -1,0 +1,117 @@
+"""KV tiers below the device pool: the DRAM tier on its own, and the engine with DRAM (and NVMe)
+tiers keeping what a small device pool evicts, with outputs identical to a roomy pool."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvstrata.tiering.host import HostTier
+from kvstrata.worker.sampling_params import SamplingParams
+
+SHAPE = (2, 2, 4, 1, 3)  # (layers, K/V, block size, kv heads, head dim)
+
+
+def _blocks(*values: float) -> torch.Tensor:
+    return torch.stack([torch.full(SHAPE, float(v)) for v in values])
+
+
+# -- the DRAM tier ----------------------------------------------------------------------------------
+def test_host_tier_round_trip_and_chain_match():
+    t = HostTier(4, SHAPE, torch.float32)
+    assert t.put([b"a", b"b"], [None, b"a"], _blocks(1, 2)) == []
+    assert t.match([b"a", b"b", b"c"]) == 2 and t.match([b"b"]) == 1 and t.match([b"x", b"a"]) == 0
+    data = t.take([b"a", b"b"])
+    assert torch.equal(data, _blocks(1, 2))
+    assert len(t) == 0 and t.hits == 2
+    t.check_integrity()
+
+
+def test_host_tier_evicts_least_recent_leaf_first():
+    t = HostTier(3, SHAPE, torch.float32)
+    # the device pool demotes leaf first: a child arrives before its parent
+    t.put([b"c", b"b"], [b"b", b"a"], _blocks(3, 2))
+    t.put([b"a"], [None], _blocks(1))
+    t.put([b"x"], [None], _blocks(9))[0]  # full: the oldest leaf, c, goes
+    assert b"c" not in t and {b"a", b"b", b"x"} <= set(t.entries)
+    spilled = t.put([b"y"], [None], _blocks(8))  # b is now the oldest leaf; a still has a child
+    assert [e.block_hash for e in spilled] == [b"b"]
+    assert torch.equal(spilled[0].data, _blocks(2)[0]) and spilled[0].parent_hash == b"a"
+    t.check_integrity()
+
+
+def test_host_tier_refreshes_duplicates_and_keeps_the_root_side_of_a_chain():
+    t = HostTier(2, SHAPE, torch.float32)
+    t.put([b"a"], [None], _blocks(1))
+    t.put([b"a"], [None], _blocks(7))  # already here: refreshed, not overwritten or duplicated
+    assert len(t) == 1 and torch.equal(t.storage[t.entries[b"a"].slot], _blocks(1)[0])
+    # a chain of three, leaf first, into two slots: what stays is still matchable from its root
+    spilled = t.put([b"z", b"y", b"x"], [b"y", b"x", None], _blocks(3, 2, 1))
+    assert [e.block_hash for e in spilled] == [b"a", b"z"]
+    assert set(t.entries) == {b"y", b"x"} and t.match([b"x", b"y", b"z"]) == 2
+    t.check_integrity()
+
+
+def test_host_tier_rejects_a_zero_capacity():
+    with pytest.raises(ValueError, match="num_blocks"):
+        HostTier(0, SHAPE, torch.float32)
+
+
+# -- the engine with tiers --------------------------------------------------------------------------
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPT_LEN = 160  # 10 blocks of 16; 9 can be hits (the last token is always computed)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(7)
+    return [[rng.randrange(100, 40000) for _ in range(PROMPT_LEN)] for _ in range(4)]
+
+
+@pytest.fixture(scope="module")
+def expected(llm, prompts):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def _block_bytes(llm) -> int:
+    from kvstrata.worker.model_runner import ModelRunner
+
+    return ModelRunner.kv_bytes_per_block(llm.engine.runner.model, 16)
+
+
+def test_dram_tier_keeps_what_a_small_pool_evicts(llm, prompts, expected):
+    from kvstrata import LLM
+
+    # 24 device blocks hold about two of the four prompts; the DRAM tier holds all of them
+    tiered = LLM("smollm2-135m", num_gpu_blocks=24, cpu_kv_bytes=48 * _block_bytes(llm))
+    plain = LLM("smollm2-135m", num_gpu_blocks=24)
+    for round_ in range(2):
+        for p, want in zip(prompts, expected):
+            got, base = tiered.generate([p], GREEDY)[0], plain.generate([p], GREEDY)[0]
+            assert got.outputs[0].token_ids == want
+            if round_ == 1:
+                assert got.num_cached_tokens == 144  # every full block but the last, from DRAM
+                assert base.num_cached_tokens == 0  # without the tier, long gone
+            tiered.check_integrity()
+    stats = tiered.cache_stats()["tiers"]["dram"]
+    assert stats["promoted_blocks"] >= 4 * 9 and stats["demoted_blocks"] > 0
+    assert tiered.reset_prefix_cache() > 0
+    assert tiered.cache_stats()["tiers"]["dram"]["blocks"] == 0
+    assert tiered.generate([prompts[0]], GREEDY)[0].num_cached_tokens == 0
+    tiered.check_integrity()
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"cpu_kv_bytes": 0}, "cpu_kv_bytes"),
+    ({"cpu_kv_bytes": 10}, "holds no block"),
+    ({"nvme_kv_dir": "/tmp/x", "nvme_kv_bytes": 1 << 20}, "needs cpu_kv_bytes"),
+    ({"cpu_kv_bytes": 1 << 24, "nvme_kv_dir": "/tmp/x"}, "needs nvme_kv_bytes"),
+    ({"nvme_kv_bytes": 1 << 20}, "needs nvme_kv_dir"),
+])
+def test_bad_tier_arguments(kwargs, needle):
+    from kvstrata import LLM
+
+    with pytest.raises(ValueError, match=needle):
+        LLM("smollm2-135m", num_gpu_blocks=16, **kwargs)

@@ -1,0 +1,168 @@
+"""The DRAM tier: host copies of KV blocks, keyed by block hash, below the device pool.
+
+Storage is one tensor `[num_blocks, *block_shape]`, block-major, so that one block is one contiguous
+run of bytes (what the NVMe tier writes) and many blocks move in one `index_copy_` / `index_select`.
+On a CUDA device it is pinned, so copies to and from the device can run asynchronously.
+
+Each entry remembers its parent's hash. Eviction is least-recently-used among entries with no child
+in this tier (leaf first), as in the device pool, so what stays is always a matchable chain.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class HostEntry:
+    slot: int
+    parent_hash: bytes | None
+    last_access: int
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    """A block pushed out of a tier: what a lower tier needs to keep it."""
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    data: torch.Tensor  # one block, contiguous, on the CPU
+
+
+class HostTier:
+    def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False):
+        if num_blocks <= 0:
+            raise ValueError(f"cpu tier: num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        self.storage = torch.zeros((num_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+        self.entries: dict[bytes, HostEntry] = {}
+        self._kids: dict[bytes, int] = {}  # parent hash -> entries here under it (the parent may not be here)
+        self.free_slots = list(range(num_blocks - 1, -1, -1))
+        self._heap: list[tuple[int, bytes]] = []  # (last_access, hash) of leaves; validated lazily
+        self._tick = 0
+        self.hits = self.puts = self.evictions = 0
+
+    @property
+    def block_bytes(self) -> int:
+        return self.storage[0].numel() * self.storage.element_size()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self.entries
+
+    def match(self, block_hashes: list[bytes]) -> int:
+        """How many of block_hashes, from the first, are here."""
+        n = 0
+        while n < len(block_hashes) and block_hashes[n] in self.entries:
+            n += 1
+        return n
+
+    def put(self, hashes: list[bytes], parents: list[bytes | None], data: torch.Tensor) -> list[Evicted]:
+        """Store blocks (data: [n, *block_shape]), oldest first. Returns what had to be evicted to make
+        room, for the tier below. Hashes already here are refreshed, not stored twice."""
+        evicted: list[Evicted] = []
+        rows, slots = [], []
+        for i, (h, parent) in enumerate(zip(hashes, parents)):
+            entry = self.entries.get(h)
+            if entry is not None:
+                self._touch(h, entry)
+                continue
+            if not self.free_slots:
+                victim = self._pop_leaf(protect=set(hashes[i:]))
+                if victim is None:
+                    break  # everything left is a parent of what is being stored; keep the chain's root
+                evicted.append(victim)
+            slot = self.free_slots.pop()
+            self.entries[h] = HostEntry(slot, parent, self._next_tick())
+            if parent is not None:
+                self._kids[parent] = self._kids.get(parent, 0) + 1
+            if not self._kids.get(h):
+                heapq.heappush(self._heap, (self.entries[h].last_access, h))
+            rows.append(i)
+            slots.append(slot)
+            self.puts += 1
+        if rows:
+            idx = torch.tensor(slots)
+            self.storage.index_copy_(0, idx, data[torch.tensor(rows)] if len(rows) < len(data) else data)
+        return evicted
+
+    def take(self, hashes: list[bytes]) -> torch.Tensor:
+        """Remove blocks (all must be here) and return their data [n, *block_shape], in order."""
+        slots = [self.entries[h].slot for h in hashes]
+        data = self.storage.index_select(0, torch.tensor(slots))
+        for h in reversed(hashes):  # children first, so parents become leaves in turn
+            self._remove(h)
+        self.hits += len(hashes)
+        return data
+
+    def clear(self) -> int:
+        n = len(self.entries)
+        self.entries.clear()
+        self._kids.clear()
+        self._heap.clear()
+        self.free_slots = list(range(self.num_blocks - 1, -1, -1))
+        return n
+
+    def _remove(self, h: bytes) -> HostEntry:
+        entry = self.entries.pop(h)
+        p = entry.parent_hash
+        if p is not None:
+            self._kids[p] -= 1
+            if not self._kids[p]:
+                del self._kids[p]
+                parent = self.entries.get(p)
+                if parent is not None:  # now a leaf
+                    heapq.heappush(self._heap, (parent.last_access, p))
+        self.free_slots.append(entry.slot)
+        return entry
+
+    def _pop_leaf(self, protect: set[bytes]) -> Evicted | None:
+        skipped = []
+        victim = None
+        while self._heap:
+            tick, h = heapq.heappop(self._heap)
+            entry = self.entries.get(h)
+            if entry is None or entry.last_access != tick or self._kids.get(h):
+                continue  # stale
+            if h in protect:
+                skipped.append((tick, h))
+                continue
+            victim = Evicted(h, entry.parent_hash, self.storage[entry.slot].clone())
+            self._remove(h)
+            self.evictions += 1
+            break
+        for item in skipped:
+            heapq.heappush(self._heap, item)
+        return victim
+
+    def _touch(self, h: bytes, entry: HostEntry) -> None:
+        entry.last_access = self._next_tick()
+        if not self._kids.get(h):
+            heapq.heappush(self._heap, (entry.last_access, h))
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def stats(self) -> dict:
+        return {"blocks": len(self.entries), "capacity_blocks": self.num_blocks,
+                "bytes": len(self.entries) * self.block_bytes, "capacity_bytes": self.num_blocks * self.block_bytes,
+                "hits": self.hits, "puts": self.puts, "evictions": self.evictions}
+
+    def check_integrity(self) -> None:
+        slots = [e.slot for e in self.entries.values()]
+        assert len(set(slots)) == len(slots), "two host entries share a slot"
+        assert not set(slots) & set(self.free_slots), "a host slot is both used and free"
+        assert len(slots) + len(self.free_slots) == self.num_blocks, "host slots leaked"
+        kids: dict[bytes, int] = {}
+        for e in self.entries.values():
+            if e.parent_hash is not None:
+                kids[e.parent_hash] = kids.get(e.parent_hash, 0) + 1
+        assert kids == self._kids, "host child counts are off"

@@ -1,0 +1,198 @@
+"""Moves KV blocks between the device pool and the tiers below it.
+
+    device pool (HBM) --evict--> DRAM (HostTier) --evict--> NVMe (NvmeTier)
+          ^                          |   ^                      |
+          +------- promote ----------+   +------- load ---------+  (IO threads; the step loop never waits)
+
+- Demotion: when the device pool reuses cached blocks, their data is gathered in one copy into DRAM,
+  and whatever DRAM evicts to make room is written to NVMe. DRAM and the device are exclusive (a block
+  is promoted out of DRAM); NVMe is inclusive, so a warm NVMe tier survives a restart.
+- Lookup: a request's chain continues from the device into DRAM, then NVMe. Blocks in DRAM are
+  promoted (one scatter) when the request is admitted. Blocks only on NVMe are first loaded into
+  DRAM by the tier's IO threads while the request waits; a failed read (a corrupt file) ends the
+  chain there, and the rest is recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstrata.tiering.host import HostTier
+
+
+@dataclass
+class _Load:
+    hashes: list[bytes]
+    parents: list[bytes | None]
+    future: Future
+
+
+@dataclass
+class TierCounters:
+    demoted_blocks: int = 0
+    promoted_blocks: int = 0
+    spilled_to_nvme: int = 0
+    loaded_from_nvme: int = 0
+    failed_loads: int = 0
+    demote_bytes: int = 0
+    demote_seconds: float = 0.0
+    promote_bytes: int = 0
+    promote_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def block_shape(kv_cache: torch.Tensor) -> tuple[int, ...]:
+    """One block of a [L, 2, N, B, H, D] cache, block-major: (L, 2, B, H, D)."""
+    num_layers, two, _, block_size, heads, head_dim = kv_cache.shape
+    return (num_layers, two, block_size, heads, head_dim)
+
+
+class TierManager:
+    def __init__(self, kv_cache: torch.Tensor, host: HostTier, nvme=None, max_load_blocks: int | None = None):
+        self.kv_cache = kv_cache
+        self.host = host
+        self.nvme = nvme
+        # at most this many blocks in flight from NVMe, so loads cannot evict each other from DRAM
+        self.max_load_blocks = max_load_blocks or max(1, host.num_blocks // 2)
+        self.loads: list[_Load] = []
+        self.loading: set[bytes] = set()
+        self.counters = TierCounters()
+
+    # -- device -> DRAM -> NVMe ------------------------------------------------------------------
+    def demote(self, evicted: list[tuple[int, bytes, bytes | None]]) -> None:
+        """Keep device blocks the pool is about to reuse: (block_id, hash, parent hash), leaf first."""
+        if not evicted:
+            return
+        t0 = time.perf_counter()
+        ids = torch.tensor([e[0] for e in evicted], device=self.kv_cache.device)
+        data = self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).to("cpu")
+        spilled = self.host.put([e[1] for e in evicted], [e[2] for e in evicted], data)
+        c = self.counters
+        c.demoted_blocks += len(evicted)
+        c.demote_bytes += data.numel() * data.element_size()
+        c.demote_seconds += time.perf_counter() - t0
+        if self.nvme is not None:
+            for ev in spilled:
+                self.nvme.put(ev.block_hash, ev.parent_hash, ev.data)
+            c.spilled_to_nvme += len(spilled)
+
+    # -- lookup and promotion --------------------------------------------------------------------
+    def lookup(self, hashes: list[bytes]) -> tuple[int, bool]:
+        """How many of `hashes` (the uncached rest of a request's chain) are in DRAM from the first,
+        and whether more of the chain is on its way from NVMe (the request should wait for it)."""
+        self.poll()
+        n = self.host.match(hashes)
+        rest = hashes[n:]
+        if not rest or self.nvme is None:
+            return n, False
+        if rest[0] in self.loading:
+            return n, True
+        k = 0
+        budget = self.max_load_blocks - len(self.loading)
+        while k < len(rest) and k < budget and rest[k] in self.nvme:
+            k += 1
+        if not k:
+            return n, False
+        wanted = rest[:k]
+        parents = [self.nvme.parent_of(h) for h in wanted]
+        self.loads.append(_Load(wanted, parents, self.nvme.get_many(wanted)))
+        self.loading.update(wanted)
+        return n, True
+
+    def poll(self) -> None:
+        """Move finished NVMe loads into DRAM (engine thread only)."""
+        if not self.loads:
+            return
+        still = []
+        for load in self.loads:
+            if not load.future.done():
+                still.append(load)
+                continue
+            self.loading.difference_update(load.hashes)
+            try:
+                blocks = load.future.result()
+            except Exception:  # an IO error is a miss: the chain is recomputed
+                blocks = [None] * len(load.hashes)
+            good = 0
+            while good < len(blocks) and blocks[good] is not None:
+                good += 1
+            self.counters.failed_loads += len(blocks) - good
+            if good:
+                data = torch.stack(blocks[:good])
+                for ev in self.host.put(load.hashes[:good], load.parents[:good], data):
+                    self.nvme.put(ev.block_hash, ev.parent_hash, ev.data)
+                self.counters.loaded_from_nvme += good
+        self.loads = still
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block up to timeout for one NVMe load (used when nothing else can run)."""
+        if self.loads:
+            try:
+                self.loads[0].future.result(timeout=timeout)
+            except Exception:  # noqa: S110 - reported by poll()
+                pass
+            self.poll()
+
+    def take(self, hashes: list[bytes]) -> torch.Tensor:
+        """Remove blocks from DRAM for promotion; their data, [n, L, 2, B, H, D]."""
+        return self.host.take(hashes)
+
+    def scatter(self, data: torch.Tensor, block_ids: list[int]) -> None:
+        """Write taken blocks into device blocks, in one copy."""
+        t0 = time.perf_counter()
+        ids = torch.tensor(block_ids, device=self.kv_cache.device)
+        self.kv_cache.index_copy_(2, ids, data.permute(1, 2, 0, 3, 4, 5).to(self.kv_cache.device))
+        c = self.counters
+        c.promoted_blocks += len(block_ids)
+        c.promote_bytes += data.numel() * data.element_size()
+        c.promote_seconds += time.perf_counter() - t0
+
+    # -- upkeep ----------------------------------------------------------------------------------
+    def clear(self) -> int:
+        """Drop every block in DRAM and on NVMe; returns how many."""
+        for load in self.loads:
+            load.future.cancel()
+        for load in self.loads:
+            try:
+                load.future.result()
+            except BaseException:  # noqa: S110 - cancelled or failed: dropped anyway
+                pass
+        self.loads.clear()
+        self.loading.clear()
+        n = self.host.clear()
+        if self.nvme is not None:
+            self.nvme.flush()
+            for h in list(self.nvme.hashes()):
+                n += self.nvme.discard(h)
+        return n
+
+    def close(self) -> None:
+        if self.nvme is not None:
+            self.nvme.close()
+
+    def stats(self) -> dict:
+        c = self.counters
+        out = {
+            "dram": {**self.host.stats(), "promoted_blocks": c.promoted_blocks, "demoted_blocks": c.demoted_blocks,
+                     "demote_gb_per_s": _rate(c.demote_bytes, c.demote_seconds),
+                     "promote_gb_per_s": _rate(c.promote_bytes, c.promote_seconds)},
+        }
+        if self.nvme is not None:
+            out["nvme"] = {**self.nvme.stats(), "spilled_blocks": c.spilled_to_nvme,
+                           "loaded_blocks": c.loaded_from_nvme, "failed_loads": c.failed_loads,
+                           "loads_in_flight": len(self.loading)}
+        return out
+
+    def check_integrity(self) -> None:
+        self.host.check_integrity()
+        if self.nvme is not None:
+            self.nvme.flush()
+            self.nvme.check_integrity()
+
+
+def _rate(num_bytes: int, seconds: float) -> float:
+    return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
