@@ -25,7 +25,7 @@ def test_host_tier_round_trip_and_chain_match():
     assert t.match([b"a", b"b", b"c"]) == 2 and t.match([b"b"]) == 1 and t.match([b"x", b"a"]) == 0
     data = t.take([b"a", b"b"])
     assert torch.equal(data, _blocks(1, 2))
-    assert len(t) == 0 and t.hits == 2
+    assert len(t) == 0 and t.free_slots
     t.check_integrity()
 
 
@@ -115,3 +115,62 @@ def test_bad_tier_arguments(kwargs, needle):
 
     with pytest.raises(ValueError, match=needle):
         LLM("smollm2-135m", num_gpu_blocks=16, **kwargs)
+
+
+def test_swap_on_preemption_gives_the_same_outputs(llm):
+    from kvstrata import LLM
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, 40000) for _ in range(20)] for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    # 12 blocks cannot hold six sequences of 68 tokens: running requests are preempted
+    small = LLM("smollm2-135m", num_gpu_blocks=12, cpu_kv_bytes=64 * _block_bytes(llm))
+    outs = small.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    stats = small.cache_stats()
+    assert stats["num_preemptions"] > 0 and stats["num_swaps"] == stats["num_preemptions"]
+    dram = stats["tiers"]["dram"]
+    assert dram["swapped_out_blocks"] == dram["swapped_in_blocks"] > 0
+    assert not any(k.startswith(b"swap:") for k in small.engine.kv.tiers.host.entries)
+    small.check_integrity()
+
+
+def test_abort_while_swapped_out_leaks_nothing(llm):
+    from kvstrata import LLM
+
+    small = LLM("smollm2-135m", num_gpu_blocks=12, cpu_kv_bytes=64 * _block_bytes(llm))
+    engine = small.engine
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(f"r{i}", [300 + i] * 20, params)
+    swapped = None
+    for _ in range(200):
+        engine.step()
+        swapped = next((s for g in engine.groups.values() for s in g.samples if s.swapped), None)
+        if swapped is not None:
+            break
+    assert swapped is not None, "no request was swapped out"
+    keys = swapped.swapped[0]
+    assert all(k in engine.kv.tiers.host for k in keys)
+    engine.abort(swapped.group_id)
+    assert not any(k in engine.kv.tiers.host for k in keys)
+    for rid in list(engine.groups):
+        engine.abort(rid)
+    assert engine.kv.pool.num_used_blocks == 0
+    assert not any(k.startswith(b"swap:") for k in engine.kv.tiers.host.entries)
+    small.check_integrity()
+
+
+def test_swap_falls_back_to_recompute_when_dram_is_too_small(llm):
+    from kvstrata import LLM
+
+    rng = random.Random(2)
+    prompts = [[rng.randrange(100, 40000) for _ in range(20)] for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    tiny = LLM("smollm2-135m", num_gpu_blocks=12, cpu_kv_bytes=2 * _block_bytes(llm))  # fewer than one request
+    assert [o.outputs[0].token_ids for o in tiny.generate(prompts, params)] == want
+    stats = tiny.cache_stats()
+    assert stats["num_preemptions"] > 0 and stats["tiers"]["dram"]["swap_fallbacks"] > 0
+    tiny.check_integrity()

@@ -45,7 +45,7 @@ class HostTier:
         self.free_slots = list(range(num_blocks - 1, -1, -1))
         self._heap: list[tuple[int, bytes]] = []  # (last_access, hash) of leaves; validated lazily
         self._tick = 0
-        self.hits = self.puts = self.evictions = 0
+        self.puts = self.evictions = 0
 
     @property
     def block_bytes(self) -> int:
@@ -99,8 +99,14 @@ class HostTier:
         data = self.storage.index_select(0, torch.tensor(slots))
         for h in reversed(hashes):  # children first, so parents become leaves in turn
             self._remove(h)
-        self.hits += len(hashes)
         return data
+
+    def discard(self, hashes: list[bytes]) -> int:
+        """Drop whichever of these blocks are here; returns how many were."""
+        present = [h for h in hashes if h in self.entries]
+        for h in reversed(present):
+            self._remove(h)
+        return len(present)
 
     def clear(self) -> int:
         n = len(self.entries)
@@ -154,7 +160,7 @@ class HostTier:
     def stats(self) -> dict:
         return {"blocks": len(self.entries), "capacity_blocks": self.num_blocks,
                 "bytes": len(self.entries) * self.block_bytes, "capacity_bytes": self.num_blocks * self.block_bytes,
-                "hits": self.hits, "puts": self.puts, "evictions": self.evictions}
+                "puts": self.puts, "evictions": self.evictions}
 
     def check_integrity(self) -> None:
         slots = [e.slot for e in self.entries.values()]

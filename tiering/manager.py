@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrata.tiering.host import HostTier
+from kvstrata.worker.kv_cache_manager import SWAP_PREFIX
 
 
 @dataclass
@@ -42,6 +43,9 @@ class TierCounters:
     demote_seconds: float = 0.0
     promote_bytes: int = 0
     promote_seconds: float = 0.0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    swap_fallbacks: int = 0  # swaps whose blocks DRAM could not keep: recomputed instead
     extra: dict = field(default_factory=dict)
 
 
@@ -75,10 +79,44 @@ class TierManager:
         c.demoted_blocks += len(evicted)
         c.demote_bytes += data.numel() * data.element_size()
         c.demote_seconds += time.perf_counter() - t0
-        if self.nvme is not None:
-            for ev in spilled:
+        self._spill(spilled)
+
+    # -- swap ------------------------------------------------------------------------------------
+    def swap_out(self, keys: list[bytes], block_ids: list[int]) -> bool:
+        """Copy a preempted request's blocks into DRAM under private keys, in one gather. False
+        (and nothing kept) when DRAM cannot hold them all: the request is recomputed instead."""
+        if len(keys) > self.host.num_blocks:
+            self.counters.swap_fallbacks += 1
+            return False
+        t0 = time.perf_counter()
+        ids = torch.tensor(block_ids, device=self.kv_cache.device)
+        data = self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).to("cpu")
+        spilled = self.host.put(keys, [None] * len(keys), data)
+        c = self.counters
+        c.demote_bytes += data.numel() * data.element_size()
+        c.demote_seconds += time.perf_counter() - t0
+        self._spill(spilled)
+        if not self.has_all(keys):  # DRAM is smaller than the request: keep nothing
+            self.host.discard(keys)
+            c.swap_fallbacks += 1
+            return False
+        c.swapped_out_blocks += len(keys)
+        return True
+
+    def has_all(self, keys: list[bytes]) -> bool:
+        return all(k in self.host for k in keys)
+
+    def discard(self, keys: list[bytes]) -> None:
+        self.host.discard(keys)
+
+    def _spill(self, spilled: list) -> None:
+        """Blocks DRAM evicted go to NVMe; swap blocks (private keys) are not worth a disk write."""
+        if self.nvme is None:
+            return
+        for ev in spilled:
+            if not ev.block_hash.startswith(SWAP_PREFIX):
                 self.nvme.put(ev.block_hash, ev.parent_hash, ev.data)
-            c.spilled_to_nvme += len(spilled)
+                self.counters.spilled_to_nvme += 1
 
     # -- lookup and promotion --------------------------------------------------------------------
     def lookup(self, hashes: list[bytes]) -> tuple[int, bool]:
@@ -123,8 +161,7 @@ class TierManager:
             self.counters.failed_loads += len(blocks) - good
             if good:
                 data = torch.stack(blocks[:good])
-                for ev in self.host.put(load.hashes[:good], load.parents[:good], data):
-                    self.nvme.put(ev.block_hash, ev.parent_hash, ev.data)
+                self._spill(self.host.put(load.hashes[:good], load.parents[:good], data))
                 self.counters.loaded_from_nvme += good
         self.loads = still
 
@@ -178,6 +215,8 @@ class TierManager:
         c = self.counters
         out = {
             "dram": {**self.host.stats(), "promoted_blocks": c.promoted_blocks, "demoted_blocks": c.demoted_blocks,
+                     "swapped_out_blocks": c.swapped_out_blocks, "swapped_in_blocks": c.swapped_in_blocks,
+                     "swap_fallbacks": c.swap_fallbacks,
                      "demote_gb_per_s": _rate(c.demote_bytes, c.demote_seconds),
                      "promote_gb_per_s": _rate(c.promote_bytes, c.promote_seconds)},
         }

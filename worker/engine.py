@@ -263,6 +263,7 @@ class LLMEngine:
             "prefix_cache_hits": self.kv.num_prompt_tokens_hit,
             "num_evictions": pool.num_evictions,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_swaps": self.scheduler.num_swaps,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             **({"tiers": self.kv.tiers.stats()} if self.kv.tiers is not None else {}),

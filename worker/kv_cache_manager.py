@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING
 
 from kvstrata.worker.block_pool import BlockPool
 from kvstrata.worker.prefix_cache import KVBlock
-from kvstrata.worker.request import Request
+from kvstrata.worker.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from kvstrata.tiering.manager import TierManager
+
+SWAP_PREFIX = b"swap:"  # DRAM keys of swapped-out blocks (kvstrata.tiering.manager uses the same)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,9 +188,53 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release all of a request's blocks at once (finish, abort or preemption)."""
+        if request.swapped is not None and request.status is not RequestStatus.RUNNING:
+            self.tiers.discard(request.swapped[0])  # finished or aborted while swapped out
+            request.swapped = None
         self.pool.free(request.block_table[::-1])
         request.block_table = []
         request.num_registered_blocks = 0
+
+    # -- swap --------------------------------------------------------------------------------
+    def swap_out(self, request: Request) -> bool:
+        """Before a preemption frees them: copy the request's computed blocks to DRAM. False when
+        there is no DRAM tier, nothing to keep, or no room (the request is then recomputed)."""
+        num_blocks = self.blocks_for(request.num_computed_tokens)
+        if self.tiers is None or num_blocks == 0:
+            return False
+        keys = [b"%s%s:%d" % (SWAP_PREFIX, request.request_id.encode(), i) for i in range(num_blocks)]
+        if not self.tiers.swap_out(keys, [b.block_id for b in request.block_table[:num_blocks]]):
+            return False
+        request.swapped = (keys, request.num_computed_tokens)
+        return True
+
+    def swap_in(self, request: Request, num_new_tokens: int, watermark: bool = False) -> bool | None:
+        """Bring a swapped request's blocks back and give it slots for num_new_tokens more.
+        True: done. False: no room now (nothing changed). None: DRAM lost some of its blocks, so
+        the swap is dropped and the request is recomputed like any other."""
+        keys, num_tokens = request.swapped
+        if not self.tiers.has_all(keys):
+            self.tiers.discard(keys)
+            self.tiers.counters.swap_fallbacks += 1
+            request.swapped = None
+            return None
+        num_new_blocks = max(0, self.blocks_for(num_tokens + num_new_tokens) - len(keys))
+        reserve = self.watermark_blocks if watermark else 0
+        if self.pool.num_free_blocks - len(keys) - num_new_blocks < reserve:
+            return False
+        data = self.tiers.take(keys)
+        blocks = self.pool.allocate(len(keys))
+        self.tiers.scatter(data, [b.block_id for b in blocks])
+        self.tiers.counters.swapped_in_blocks += len(keys)
+        self.tiers.counters.promoted_blocks -= len(keys)  # counted as swap, not as a cache hit
+        request.block_table = blocks
+        request.num_computed_tokens = num_tokens
+        request.num_registered_blocks = 0
+        request.swapped = None
+        if num_new_blocks:
+            request.block_table.extend(self.pool.allocate(num_new_blocks))
+        self.cache_full_blocks(request)  # its full blocks join the prefix cache again (or share it)
+        return True
 
     def reset_prefix_cache(self) -> int:
         """Drop every unused cached block, in the pool and in the tiers below; returns how many."""

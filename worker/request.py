@@ -58,6 +58,8 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    # set while preempted by swap: the DRAM keys of its blocks and the tokens they hold
+    swapped: tuple[list[bytes], int] | None = None
     generator: torch.Generator | None = None
     detokenizer: Detokenizer | None = None
     logprobs: list[dict[int, float]] | None = None

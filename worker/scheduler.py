@@ -49,6 +49,7 @@ class Scheduler:
         self.running: list[Request] = []  # kept sorted by sort_key
         self._push_seq = 0
         self.num_preemptions = 0
+        self.num_swaps = 0
 
     @property
     def num_waiting(self) -> int:
@@ -112,6 +113,16 @@ class Scheduler:
             req = self._peek_waiting()
             if req is None:
                 break
+            if req.swapped is not None:
+                n = self._chunk(req.num_tokens - req.swapped[1], budget)
+                resumed = self.kv.swap_in(req, n, watermark=True)
+                if resumed is False:
+                    break
+                if resumed:
+                    self._admit(req, n, scheduled)
+                    budget -= n
+                    continue
+                # None: DRAM lost its blocks; recompute below
             computed = self.kv.get_computed_blocks(req)
             first_uncached = len(computed.blocks) + len(computed.tier_hashes)
             if computed.pending or (req.num_computed_tokens == 0 and first_uncached < len(req.block_hashes)
@@ -122,13 +133,10 @@ class Scheduler:
             n = self._chunk(req.num_tokens - req.num_computed_tokens - computed.num_tokens, budget)
             if not self.kv.allocate_slots(req, n, computed, watermark=True):
                 break
-            heapq.heappop(self._waiting)
-            self._num_waiting -= 1
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = computed.num_tokens
                 self.kv.record_prefix_query(req.num_prompt_tokens, computed.num_tokens)
-            self.add_running(req)
-            scheduled.append((req, n))
+            self._admit(req, n, scheduled)
             budget -= n
             inflight.update(self._hashes_computed(req, n))
         for entry in deferred:
@@ -146,6 +154,12 @@ class Scheduler:
             block_copies=self.kv.drain_copies(),
         )
         return SchedulerOutput(batch, preempted)
+
+    def _admit(self, req: Request, n: int, scheduled: list[tuple[Request, int]]) -> None:
+        heapq.heappop(self._waiting)
+        self._num_waiting -= 1
+        self.add_running(req)
+        scheduled.append((req, n))
 
     def _hashes_computed(self, req: Request, n: int) -> list[bytes]:
         """Hashes of the full blocks that computing n more tokens of req completes."""
@@ -171,6 +185,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        if self.kv.swap_out(request):  # its blocks wait in DRAM; otherwise it is recomputed
+            self.num_swaps += 1
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
