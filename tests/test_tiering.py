@@ -67,7 +67,7 @@ PROMPT_LEN = 160  # 10 blocks of 16; 9 can be hits (the last token is always com
 @pytest.fixture(scope="module")
 def prompts():
     rng = random.Random(7)
-    return [[rng.randrange(100, 40000) for _ in range(PROMPT_LEN)] for _ in range(4)]
+    return [[rng.randrange(100, 40000) for _ in range(PROMPT_LEN)] for _ in range(6)]
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +84,8 @@ def _block_bytes(llm) -> int:
 def test_dram_tier_keeps_what_a_small_pool_evicts(llm, prompts, expected):
     from kvstrata import LLM
 
-    # 24 device blocks hold about two of the four prompts; the DRAM tier holds all of them
-    tiered = LLM("smollm2-135m", num_gpu_blocks=24, cpu_kv_bytes=48 * _block_bytes(llm))
+    # 24 device blocks hold about two of the six prompts; the DRAM tier holds all of them
+    tiered = LLM("smollm2-135m", num_gpu_blocks=24, cpu_kv_bytes=64 * _block_bytes(llm))
     plain = LLM("smollm2-135m", num_gpu_blocks=24)
     for round_ in range(2):
         for p, want in zip(prompts, expected):
@@ -96,7 +96,7 @@ def test_dram_tier_keeps_what_a_small_pool_evicts(llm, prompts, expected):
                 assert base.num_cached_tokens == 0  # without the tier, long gone
             tiered.check_integrity()
     stats = tiered.cache_stats()["tiers"]["dram"]
-    assert stats["promoted_blocks"] >= 4 * 9 and stats["demoted_blocks"] > 0
+    assert stats["promoted_blocks"] >= 6 * 9 and stats["demoted_blocks"] > 0
     assert tiered.reset_prefix_cache() > 0
     assert tiered.cache_stats()["tiers"]["dram"]["blocks"] == 0
     assert tiered.generate([prompts[0]], GREEDY)[0].num_cached_tokens == 0
@@ -174,3 +174,80 @@ def test_swap_falls_back_to_recompute_when_dram_is_too_small(llm):
     stats = tiny.cache_stats()
     assert stats["num_preemptions"] > 0 and stats["tiers"]["dram"]["swap_fallbacks"] > 0
     tiny.check_integrity()
+
+
+# -- NVMe under DRAM --------------------------------------------------------------------------------
+def _nvme_llm(llm, directory):
+    from kvstrata import LLM
+
+    bb = _block_bytes(llm)
+    # 24 device blocks and 20 DRAM blocks hold well under the 6 prompts' 60 blocks; NVMe holds all
+    return LLM("smollm2-135m", num_gpu_blocks=24, cpu_kv_bytes=20 * bb, nvme_kv_dir=str(directory),
+               nvme_kv_bytes=200 * bb)
+
+
+def test_nvme_tier_brings_blocks_back_and_survives_a_restart(llm, prompts, expected, tmp_path):
+    first = _nvme_llm(llm, tmp_path)
+    try:
+        for round_ in range(2):
+            for p, want in zip(prompts, expected):
+                got = first.generate([p], GREEDY)[0]
+                assert got.outputs[0].token_ids == want
+                if round_:
+                    assert got.num_cached_tokens == 144
+                first.check_integrity()
+        nvme = first.cache_stats()["tiers"]["nvme"]
+        assert nvme["loaded_blocks"] > 0 and nvme["hits"] > 0 and nvme["checksum_failures"] == 0
+    finally:
+        first.close()
+    again = _nvme_llm(llm, tmp_path)  # a new process would do the same: the index comes from the files
+    try:
+        for p, want in zip(prompts, expected):
+            got = again.generate([p], GREEDY)[0]
+            assert got.outputs[0].token_ids == want and got.num_cached_tokens == 144
+        assert again.cache_stats()["tiers"]["nvme"]["loaded_blocks"] >= 9
+        again.check_integrity()
+    finally:
+        again.close()
+
+
+def test_a_corrupt_nvme_file_is_recomputed_not_served(llm, prompts, expected, tmp_path):
+    warm = _nvme_llm(llm, tmp_path)
+    for p in prompts:
+        warm.generate([p], GREEDY)
+    warm.close()
+    files = sorted(tmp_path.rglob("*.kvb"))
+    assert files
+    for f in files:  # flip a byte in the middle of every payload
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        f.write_bytes(bytes(raw))
+    cold = _nvme_llm(llm, tmp_path)
+    try:
+        for p, want in zip(prompts, expected):
+            got = cold.generate([p], GREEDY)[0]
+            assert got.outputs[0].token_ids == want
+        stats = cold.cache_stats()["tiers"]["nvme"]
+        assert stats["checksum_failures"] > 0 and stats["failed_loads"] > 0
+        cold.check_integrity()
+    finally:
+        cold.close()
+
+
+def test_abort_while_blocks_load_from_nvme_leaks_nothing(llm, prompts, tmp_path):
+    tiered = _nvme_llm(llm, tmp_path)
+    try:
+        for p in prompts:
+            tiered.generate([p], GREEDY)
+        tiered.engine.kv.tiers.host.clear()  # DRAM forgets, so the next hit must come from NVMe
+        tiered.engine.kv.pool.reset_prefix_cache()
+        engine = tiered.engine
+        engine.add_request("loading", prompts[0], GREEDY)
+        engine.step()  # starts the load; the request waits for it
+        assert engine.kv.tiers.loading or engine.kv.tiers.host.entries
+        assert engine.abort("loading")
+        engine.kv.tiers.wait_for_loads(timeout=5)
+        assert engine.kv.pool.num_used_blocks == 0 and not engine.kv.tiers.loading
+        tiered.check_integrity()
+    finally:
+        tiered.close()

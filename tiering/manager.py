@@ -60,7 +60,8 @@ class TierManager:
         self.kv_cache = kv_cache
         self.host = host
         self.nvme = nvme
-        # at most this many blocks in flight from NVMe, so loads cannot evict each other from DRAM
+        # a request takes at most this many blocks from the tiers, and at most this many are in
+        # flight from NVMe, so that loads cannot push each other (or a request's own chain) out of DRAM
         self.max_load_blocks = max_load_blocks or max(1, host.num_blocks // 2)
         self.loads: list[_Load] = []
         self.loading: set[bytes] = set()
@@ -123,14 +124,14 @@ class TierManager:
         """How many of `hashes` (the uncached rest of a request's chain) are in DRAM from the first,
         and whether more of the chain is on its way from NVMe (the request should wait for it)."""
         self.poll()
-        n = self.host.match(hashes)
+        n = min(self.host.match(hashes), self.max_load_blocks)
         rest = hashes[n:]
         if not rest or self.nvme is None:
             return n, False
         if rest[0] in self.loading:
             return n, True
         k = 0
-        budget = self.max_load_blocks - len(self.loading)
+        budget = min(self.max_load_blocks - n, self.max_load_blocks - len(self.loading))
         while k < len(rest) and k < budget and rest[k] in self.nvme:
             k += 1
         if not k:
