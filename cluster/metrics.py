@@ -63,6 +63,50 @@ class _EngineCollector(Collector):
         yield gauge("kvstrata:kv_blocks_free", "KV blocks free (not used and not cached).", s["num_free_blocks"])
         yield gauge("kvstrata:kv_blocks_cached", "KV blocks holding a cached prefix.", s["num_cached_blocks"])
         yield counter("kvstrata:kv_block_evictions", "Cached blocks evicted to make room.", s["num_evictions"])
+        if "tiers" in s:
+            yield from _tier_metrics(self.model_name, s["tiers"])
+
+
+def _tier_metrics(model_name: str, tiers: dict[str, Any]) -> Iterator[Metric]:
+    """Per-tier gauges and counters, labelled tier="dram" or "nvme"."""
+    names = ["model_name", "tier"]
+    families = {
+        "blocks": GaugeMetricFamily("kvstrata:tier_blocks", "KV blocks held in the tier.", labels=names),
+        "bytes": GaugeMetricFamily("kvstrata:tier_bytes", "Bytes of KV held in the tier.", labels=names),
+        "capacity": GaugeMetricFamily("kvstrata:tier_capacity_bytes", "The tier's capacity.", labels=names),
+        "up": CounterMetricFamily("kvstrata:tier_promotions", "Blocks brought up out of the tier "
+                                  "(DRAM to the device; NVMe to DRAM).", labels=names),
+        "down": CounterMetricFamily("kvstrata:tier_demotions", "Blocks moved down into the tier.", labels=names),
+    }
+    dram, nvme = tiers.get("dram"), tiers.get("nvme")
+    rows = []
+    if dram is not None:
+        rows.append(("dram", dram["blocks"], dram["bytes"], dram["capacity_bytes"], dram["promoted_blocks"],
+                     dram["demoted_blocks"]))
+    if nvme is not None:
+        rows.append(("nvme", nvme["blocks"], nvme["used_bytes"], nvme["capacity_bytes"], nvme["loaded_blocks"],
+                     nvme["spilled_blocks"]))
+    for tier, blocks, used, capacity, up, down in rows:
+        for key, value in (("blocks", blocks), ("bytes", used), ("capacity", capacity), ("up", up), ("down", down)):
+            families[key].add_metric([model_name, tier], value)
+    yield from families.values()
+    if dram is not None:
+        usage = GaugeMetricFamily("vllm:cpu_cache_usage_perc", "Fraction of the DRAM tier in use.",
+                                  labels=["model_name"])
+        usage.add_metric([model_name], dram["bytes"] / dram["capacity_bytes"])
+        yield usage
+        for name, key, doc in (("kvstrata:swapped_out_blocks", "swapped_out_blocks", "Blocks swapped out to DRAM."),
+                               ("kvstrata:swapped_in_blocks", "swapped_in_blocks", "Blocks swapped back in."),
+                               ("kvstrata:swap_fallbacks", "swap_fallbacks",
+                                "Preemptions recomputed because DRAM could not keep the blocks.")):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([model_name], dram[key])
+            yield c
+    if nvme is not None:
+        c = CounterMetricFamily("kvstrata:tier_checksum_failures", "Tier files that failed verification "
+                                "(read as misses).", labels=names)
+        c.add_metric([model_name, "nvme"], nvme["checksum_failures"])
+        yield c
 
 
 class ServingMetrics:

@@ -56,6 +56,26 @@ def _positive(text: str) -> int:
     return value
 
 
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
+          "tib": 1 << 40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+
+
+def _size(text: str) -> int:
+    """A byte count: 1073741824, 1GiB, 512MiB, 2GB, 1.5g."""
+    raw = str(text).strip().lower().replace(" ", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number):]
+    if unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size like 4GiB or 512MB, got {text!r}")
+    try:
+        value = int(float(number) * _UNITS[unit])
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"expected a size like 4GiB or 512MB, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return value
+
+
 def _text(text: str) -> str:
     return str(text)
 
@@ -82,6 +102,9 @@ OPTIONS = [
            ("float32", "bfloat16", "float16")),
     Option("num_gpu_blocks", _positive, None, "cap the KV pool at this many blocks"),
     Option("max_model_len", _positive, None, "context limit (default: the model's)"),
+    Option("cpu_kv_bytes", _size, None, "a DRAM tier of this size under the KV pool (e.g. 8GiB)"),
+    Option("nvme_kv_dir", _text, None, "an NVMe tier of KV block files in this directory (needs --cpu-kv-bytes)"),
+    Option("nvme_kv_bytes", _size, None, "the NVMe tier's capacity (e.g. 200GiB)"),
     Option("max_waiting", _positive, 256, "requests allowed to wait for admission before 429/RESOURCE_EXHAUSTED"),
     Option("max_tokens_limit", _positive, 4096, "largest max_tokens a request may ask for"),
     Option("grace_period", integer, 30, "seconds in-flight requests get to finish on SIGTERM"),
@@ -205,8 +228,12 @@ def run_serve(args: argparse.Namespace) -> int:
     auth = build_auth(opts)
     logging.basicConfig(level=opts["log_level"].upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     llm = LLM(opts["model"], dtype=opts["dtype"], num_gpu_blocks=opts["num_gpu_blocks"],
-              max_model_len=opts["max_model_len"])
-    return asyncio.run(_serve(llm, opts, auth))
+              max_model_len=opts["max_model_len"], cpu_kv_bytes=opts["cpu_kv_bytes"],
+              nvme_kv_dir=opts["nvme_kv_dir"], nvme_kv_bytes=opts["nvme_kv_bytes"])
+    try:
+        return asyncio.run(_serve(llm, opts, auth))
+    finally:
+        llm.close()
 
 
 def _uvicorn_server(app, opts: dict[str, Any]):

@@ -48,6 +48,16 @@ def test_bad_config_names_the_option(tmp_path, content, needle):
         _opts(["--config", str(cfg)])
 
 
+def test_tier_sizes_take_units(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("cpu_kv_bytes: 2GiB\nnvme_kv_dir: /var/kv\n")
+    o = _opts(["--config", str(cfg), "--nvme-kv-bytes", "1.5TB"])
+    assert (o["cpu_kv_bytes"], o["nvme_kv_dir"], o["nvme_kv_bytes"]) == (2 << 30, "/var/kv", 1_500_000_000_000)
+    for bad in ("lots", "0", "-1GiB", "inf", "3XB"):
+        with pytest.raises(ValueError, match="KVSTRATA_CPU_KV_BYTES"):
+            _opts([], {"KVSTRATA_CPU_KV_BYTES": bad})
+
+
 def test_bad_environment_value_names_the_variable():
     with pytest.raises(ValueError, match="KVSTRATA_MAX_WAITING: expected a positive integer"):
         _opts([], {"KVSTRATA_MAX_WAITING": "0"})

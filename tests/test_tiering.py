@@ -97,10 +97,27 @@ def test_dram_tier_keeps_what_a_small_pool_evicts(llm, prompts, expected):
             tiered.check_integrity()
     stats = tiered.cache_stats()["tiers"]["dram"]
     assert stats["promoted_blocks"] >= 6 * 9 and stats["demoted_blocks"] > 0
+    _check_tier_metrics(tiered.cache_stats(), stats)
     assert tiered.reset_prefix_cache() > 0
     assert tiered.cache_stats()["tiers"]["dram"]["blocks"] == 0
     assert tiered.generate([prompts[0]], GREEDY)[0].num_cached_tokens == 0
     tiered.check_integrity()
+
+
+def _check_tier_metrics(cache_stats: dict, dram: dict) -> None:
+    """The same counters reach Prometheus, labelled by tier."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvstrata.cluster.metrics import ServingMetrics
+
+    m = ServingMetrics("m")
+    m.update_engine(cache_stats)
+    samples = {(s.name, s.labels.get("tier")): s.value
+               for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+    assert samples[("kvstrata:tier_blocks", "dram")] == dram["blocks"]
+    assert samples[("kvstrata:tier_promotions_total", "dram")] == dram["promoted_blocks"]
+    assert samples[("kvstrata:tier_demotions_total", "dram")] == dram["demoted_blocks"]
+    assert 0 < samples[("vllm:cpu_cache_usage_perc", None)] <= 1
 
 
 @pytest.mark.parametrize("kwargs, needle", [
