@@ -51,6 +51,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    cache_write_tokens: int = 0
 
 
 @dataclass
@@ -90,7 +91,7 @@ class _Tracked:
                 deltas.append(Delta(i, new_ids, text, o.finish_reason, lps))
                 self.done[i] = True
             usage = Usage(len(finished.prompt_token_ids), sum(len(o.token_ids) for o in finished.outputs),
-                          finished.num_cached_tokens)
+                          finished.num_cached_tokens, finished.num_cache_write_tokens)
             return StreamItem(deltas, usage)
         group = engine.groups.get(self.request_id)
         if group is None:
@@ -174,7 +175,8 @@ class EngineService:
             return len(self._tracked) + self._pending
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       cache_salt: str = "", prompt: str | None = None) -> AsyncIterator[StreamItem]:
+                       cache_salt: str = "", prompt: str | None = None,
+                       cache_pins: list[tuple[int, float]] | None = None, tenant: str = "") -> AsyncIterator[StreamItem]:
         """Stream one request. Raises ValueError for bad input, Overloaded or Draining before any
         output; cancelling the consumer (client gone, deadline) aborts the request and frees its blocks."""
         timer = _Timer(self.metrics, len(prompt_token_ids))
@@ -199,7 +201,8 @@ class EngineService:
             try:
                 if rid in self._tracked or rid in self.engine.groups:
                     raise ValueError(f"request_id {rid!r} is already in use")
-                self.engine.add_request(rid, prompt_token_ids, params, prompt=prompt, cache_salt=cache_salt)
+                self.engine.add_request(rid, prompt_token_ids, params, prompt=prompt, cache_salt=cache_salt,
+                                        cache_pins=cache_pins, tenant=tenant)
             except Exception as e:  # the request's own error; the engine thread carries on
                 with self._lock:
                     self._pending -= 1
@@ -320,6 +323,24 @@ class EngineService:
                     tracked.push(item)
                 if rid in finished or rid not in self.engine.groups:
                     self._tracked.pop(rid, None)
+
+
+def chat_cache_pins(tokenizer, messages: list[dict[str, str]], ttls: list[float | None],
+                    ids: list[int]) -> list[tuple[int, float]]:
+    """Cache pins for chat breakpoints: for each message with a TTL, (tokens of the templated
+    conversation up to and including it, TTL seconds). `ids` is the whole templated prompt."""
+    pins = []
+    for i, ttl in enumerate(ttls):
+        if ttl is None:
+            continue
+        prefix = tokenizer.encode(tokenizer.apply_chat_template(messages[:i + 1], add_generation_prompt=False),
+                                  add_special_tokens=False)
+        n = 0
+        while n < min(len(prefix), len(ids)) and prefix[n] == ids[n]:
+            n += 1
+        if n:
+            pins.append((n, float(ttl)))
+    return pins
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

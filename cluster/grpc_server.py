@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from google.protobuf.message import DecodeError
 
-from kvstrata.cluster.engine_service import Delta, Draining, EngineService, Overloaded
+from kvstrata.cluster.engine_service import Delta, Draining, EngineService, Overloaded, chat_cache_pins
 from kvstrata.cluster.tenants import PermissionDenied, Tenant, TenantAuth, Unauthenticated, bearer_token, grpc_peer_host
 from kvstrata.protos.v1 import generation_pb2 as pb
 from kvstrata.protos.v1 import generation_pb2_grpc as pb_grpc
@@ -77,6 +77,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         text = self.tokenizer.apply_chat_template(messages)
         return self.tokenizer.encode(text, add_special_tokens=False), text
 
+    def _cache_pins(self, request: pb.GenerateRequest, prompt_ids: list[int]) -> list[tuple[int, float]] | None:
+        if request.WhichOneof("prompt") != "chat":
+            return None
+        msgs = request.chat.messages
+        ttls = [m.cache_control.ttl_seconds if m.HasField("cache_control") else None for m in msgs]
+        if all(t is None for t in ttls):
+            return None
+        for i, t in enumerate(ttls):
+            if t is not None and not 0 < t <= 86400:
+                raise ValueError(f"prompt.chat.messages[{i}].cache_control.ttl_seconds must be 1 to 86400, got {t}")
+        messages = [{"role": m.role, "content": m.content} for m in msgs]
+        return chat_cache_pins(self.tokenizer, messages, ttls, prompt_ids)
+
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         tenant = await authenticate(self.auth, context)
         try:
@@ -84,7 +97,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             params = sampling_params(request.sampling)
             rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
             salt = self.auth.cache_salt(tenant.name)
-            async for item in self.service.generate(prompt_ids, params, request_id=rid, prompt=text, cache_salt=salt):
+            pins = self._cache_pins(request, prompt_ids)
+            async for item in self.service.generate(prompt_ids, params, request_id=rid, prompt=text, cache_salt=salt,
+                                                    cache_pins=pins, tenant=tenant.name):
                 for d in item.deltas:
                     yield _response(d, rid)
                 if item.usage is not None:
@@ -92,7 +107,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     yield pb.GenerateResponse(
                         request_id=rid,
                         usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                                       cached_tokens=u.cached_tokens))
+                                       cached_tokens=u.cached_tokens, cache_write_tokens=u.cache_write_tokens))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:

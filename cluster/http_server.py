@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvstrata.cluster.engine_service import Delta, Draining, EngineService, Overloaded, StreamItem
+from kvstrata.cluster.engine_service import Delta, Draining, EngineService, Overloaded, StreamItem, chat_cache_pins
 from kvstrata.cluster.metrics import CONTENT_TYPE, ServingMetrics
 from kvstrata.cluster.openai_protocol import (
     ChatCompletionRequest,
@@ -90,8 +90,10 @@ class _Runs:
 
     @classmethod
     async def start(cls, service: EngineService, prompts: list[tuple[list[int], str | None]],
-                    params: SamplingParams, cache_salt: str, request_id: str) -> _Runs:
-        gens = [service.generate(ids, params, request_id=f"{request_id}-{k}", cache_salt=cache_salt, prompt=text)
+                    params: SamplingParams, cache_salt: str, request_id: str,
+                    cache_pins: list[tuple[int, float]] | None = None, tenant: str = "") -> _Runs:
+        gens = [service.generate(ids, params, request_id=f"{request_id}-{k}", cache_salt=cache_salt, prompt=text,
+                                 cache_pins=cache_pins, tenant=tenant)
                 for k, (ids, text) in enumerate(prompts)]
         firsts = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
@@ -171,18 +173,19 @@ class _Choice:
 
 class _Usage:
     def __init__(self) -> None:
-        self.prompt = self.completion = self.cached = 0
+        self.prompt = self.completion = self.cached = self.written = 0
 
     def add(self, item: StreamItem) -> None:
         if item.usage is not None:
             self.prompt += item.usage.prompt_tokens
             self.completion += item.usage.completion_tokens
             self.cached += item.usage.cached_tokens
+            self.written += item.usage.cache_write_tokens
 
     def to_json(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
                 "total_tokens": self.prompt + self.completion,
-                "prompt_tokens_details": {"cached_tokens": self.cached}}
+                "prompt_tokens_details": {"cached_tokens": self.cached, "cache_write_tokens": self.written}}
 
 
 def _sse(obj: Any) -> bytes:
@@ -252,12 +255,14 @@ class OpenAIServer:
                    prompts: list[tuple[list[int], str | None]], params: SamplingParams, prefix: str,
                    render: Callable[[list[_Choice], _Usage, str, int], dict[str, Any]],
                    chunk: Callable[[int, Delta, str, int], dict[str, Any]],
-                   first_chunks: Callable[[str, int], list[dict[str, Any]]] | None = None) -> Response:
+                   first_chunks: Callable[[str, int], list[dict[str, Any]]] | None = None,
+                   cache_pins: list[tuple[int, float]] | None = None) -> Response:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         created = int(time.time())
         salt = self.auth.cache_salt(tenant.name)
         n = params.n
-        runs = await _unless_disconnected(request, _Runs.start(self.service, prompts, params, salt, request_id))
+        runs = await _unless_disconnected(request, _Runs.start(self.service, prompts, params, salt, request_id,
+                                                               cache_pins, tenant.name))
         if not req.stream:
             async def collect() -> Response:
                 choices = [_Choice() for _ in range(len(prompts) * n)]
@@ -397,6 +402,7 @@ class OpenAIServer:
             raise ValueError("messages is empty")
         text = self.tokenizer.apply_chat_template(messages)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
+        pins = chat_cache_pins(self.tokenizer, messages, [m.breakpoint_ttl() for m in req.messages], ids)
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
         if max_tokens is None:  # as many as fit
             room = self.engine.scheduler_config.max_model_len - len(ids)
@@ -441,7 +447,7 @@ class OpenAIServer:
                                   "logprobs": None, "finish_reason": None}]} for i in range(params.n)]
 
         return await self._run(request, tenant, req, [(ids, text)], params, "chatcmpl", render, chunk,
-                               first_chunks)
+                               first_chunks, pins)
 
     def models(self) -> dict[str, Any]:
         max_len = self.engine.scheduler_config.max_model_len

@@ -50,15 +50,35 @@ class CompletionRequest(CommonRequest):
     suffix: str | None = None
 
 
+TTL_SECONDS = {"5m": 300, "1h": 3600}
+
+
+class CacheControl(_Strict):
+    """A prompt-cache breakpoint: the prompt up to here stays cached (in some tier) for `ttl`."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
 
 
 class ChatMessage(_Strict):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    cache_control: CacheControl | None = None
+
+    def breakpoint_ttl(self) -> int | None:
+        """TTL seconds of this message's breakpoint (its own or on one of its parts), if any."""
+        marks = [self.cache_control]
+        if isinstance(self.content, list):
+            marks += [p.cache_control for p in self.content]
+        ttls = [TTL_SECONDS[m.ttl] for m in marks if m is not None]
+        return max(ttls) if ttls else None
 
 
 class ResponseFormat(_Strict):

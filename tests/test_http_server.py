@@ -311,6 +311,48 @@ def test_drain_makes_health_503_and_in_flight_streams_finish(llm):
     assert used_blocks(llm) == 0
 
 
+def test_cache_control_pins_a_prefix_on_both_apis(llm):
+    from kvstrata import LLM
+    from kvstrata.worker.model_runner import ModelRunner
+
+    block_bytes = ModelRunner.kv_bytes_per_block(llm.engine.runner.model, 16)
+    tiered = LLM("smollm2-135m", num_gpu_blocks=64, cpu_kv_bytes=64 * block_bytes)
+    server = LiveServer(tiered)
+    try:
+        c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+        system = "You answer questions about the tides, briefly and exactly. " * 5
+        marked = [{"role": "system", "content": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+                  {"role": "user", "content": "When is high tide?"}]
+        first = c.chat.completions.create(model=MODEL, messages=marked, max_tokens=2).usage.prompt_tokens_details
+        assert first.cached_tokens == 0 and first.cache_write_tokens >= 48
+        assert tiered.engine.kv.tiers.pinned_blocks() * 16 == first.cache_write_tokens
+        second = c.chat.completions.create(model=MODEL, messages=marked, max_tokens=2).usage.prompt_tokens_details
+        assert second.cached_tokens >= first.cache_write_tokens and second.cache_write_tokens == 0
+        bad = dict(marked[0], cache_control={"type": "ephemeral", "ttl": "2h"})
+        r = httpx.post(server.base_url + "/v1/chat/completions", json={"model": MODEL, "messages": [bad]})
+        assert r.status_code == 400 and "cache_control" in r.json()["error"]["message"]
+        # gRPC: the same breakpoint, as a field of the chat message
+        msg = pb.ChatMessage(role="system", content="Another long system prompt about weather. " * 6,
+                             cache_control=pb.CacheControl(ttl_seconds=300))
+        req = pb.GenerateRequest(chat=pb.ChatMessages(messages=[msg, pb.ChatMessage(role="user", content="Hi")]),
+                                 sampling=pb.SamplingOptions(max_tokens=2))
+        assert list(server.gen.Generate(req))[-1].usage.cache_write_tokens >= 48
+        req.chat.messages[0].cache_control.ttl_seconds = 0
+        with pytest.raises(grpc.RpcError) as e:
+            list(server.gen.Generate(req))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ttl_seconds" in e.value.details()
+    finally:
+        server.stop()
+    tiered.check_integrity()
+
+
+def test_cache_control_without_tiers_is_400(live):
+    marked = [{"role": "user", "content": "Hi", "cache_control": {"type": "ephemeral"}}]
+    r = httpx.post(live.base_url + "/v1/chat/completions", json={"model": MODEL, "messages": marked},
+                   headers={"authorization": f"Bearer {KEY_ALPHA}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_control"
+
+
 # -- TLS ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):

@@ -268,3 +268,66 @@ def test_abort_while_blocks_load_from_nvme_leaks_nothing(llm, prompts, tmp_path)
         tiered.check_integrity()
     finally:
         tiered.close()
+
+
+# -- prompt-cache pins ------------------------------------------------------------------------------
+def _run(engine, rid, ids, **kw):
+    engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), **kw)
+    while True:
+        for out in engine.step():
+            return out
+
+
+def _flood(engine, rng, n=12):
+    """Enough other prompts to push anything unpinned out of a 24-block pool and a 24-block DRAM tier."""
+    for i in range(n):
+        _run(engine, f"flood-{rng.random()}", [rng.randrange(100, 40000) for _ in range(160)])
+
+
+def test_a_pinned_prefix_outlives_a_flood_until_its_ttl(llm):
+    from kvstrata import LLM
+
+    small = LLM("smollm2-135m", num_gpu_blocks=24, cpu_kv_bytes=24 * _block_bytes(llm))
+    engine, tiers = small.engine, small.engine.kv.tiers
+    now = [0.0]
+    tiers._clock = lambda: now[0]
+    rng = random.Random(5)
+    system = [rng.randrange(100, 40000) for _ in range(128)]
+    first = _run(engine, "a", system + [1, 2, 3], cache_pins=[(128, 300.0)], tenant="t1")
+    assert (first.num_cached_tokens, first.num_cache_write_tokens) == (0, 128)
+    assert tiers.pinned_blocks("t1") == 8
+    _flood(engine, rng)
+    again = _run(engine, "b", system + [4, 5, 6])
+    assert (again.num_cached_tokens, again.num_cache_write_tokens) == (128, 0)  # survived, read from cache
+    small.check_integrity()
+    # control: the same flood pushes out an unpinned prefix
+    other = [rng.randrange(100, 40000) for _ in range(128)]
+    _run(engine, "c", other + [1])
+    _flood(engine, rng)
+    assert _run(engine, "d", other + [2]).num_cached_tokens == 0
+    # once the TTL has passed, the pin is gone and the flood wins
+    now[0] = 301.0
+    _flood(engine, rng)
+    assert tiers.pinned_blocks() == 0
+    assert _run(engine, "e", system + [7]).num_cached_tokens == 0
+    small.check_integrity()
+
+
+def test_pins_have_quotas_and_need_a_tier(llm):
+    from kvstrata import LLM
+
+    small = LLM("smollm2-135m", num_gpu_blocks=24, cpu_kv_bytes=24 * _block_bytes(llm))
+    engine = small.engine
+    rng = random.Random(6)
+    prompt = [rng.randrange(100, 40000) for _ in range(208)]  # 13 blocks: over the 12-block limit
+    with pytest.raises(ValueError, match="cache_control: tenant 't1' would pin"):
+        engine.add_request("big", prompt, GREEDY, cache_pins=[(208, 60.0)], tenant="t1")
+    assert not engine.has_unfinished_requests()  # refused whole
+    for bad, needle in (((0, 60.0), "within the prompt"), ((300, 60.0), "within the prompt"),
+                        ((16, 0), "ttl"), ((16, 10**9), "ttl")):
+        with pytest.raises(ValueError, match=needle):
+            engine.add_request("bad", prompt, GREEDY, cache_pins=[bad], tenant="t1")
+    with pytest.raises(ValueError, match="cache_control: pinning needs a KV tier"):
+        llm.engine.add_request("no-tier", prompt, GREEDY, cache_pins=[(16, 60.0)])
+    assert not llm.engine.has_unfinished_requests()
+    small.check_integrity()

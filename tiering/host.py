@@ -46,6 +46,10 @@ class HostTier:
         self._heap: list[tuple[int, bytes]] = []  # (last_access, hash) of leaves; validated lazily
         self._tick = 0
         self.puts = self.evictions = 0
+        # pinned blocks (prompt-cache breakpoints): never evicted from here unless a lower tier
+        # takes them (`spill_pinned`); replaced as a whole by the tier manager
+        self.pinned: frozenset[bytes] = frozenset()
+        self.spill_pinned = False
 
     @property
     def block_bytes(self) -> int:
@@ -137,7 +141,7 @@ class HostTier:
             entry = self.entries.get(h)
             if entry is None or entry.last_access != tick or self._kids.get(h):
                 continue  # stale
-            if h in protect:
+            if h in protect or (not self.spill_pinned and h in self.pinned):
                 skipped.append((tick, h))
                 continue
             victim = Evicted(h, entry.parent_hash, self.storage[entry.slot].clone())

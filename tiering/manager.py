@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import heapq
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -56,10 +57,20 @@ def block_shape(kv_cache: torch.Tensor) -> tuple[int, ...]:
 
 
 class TierManager:
-    def __init__(self, kv_cache: torch.Tensor, host: HostTier, nvme=None, max_load_blocks: int | None = None):
+    def __init__(self, kv_cache: torch.Tensor, host: HostTier, nvme=None, max_load_blocks: int | None = None,
+                 pin_quota_blocks: int | None = None, clock=time.monotonic):
         self.kv_cache = kv_cache
         self.host = host
         self.nvme = nvme
+        host.spill_pinned = nvme is not None
+        # pins: block hash -> (expiry, tenant). Pinned blocks may move down but are never dropped,
+        # so all pins together must fit the lowest tier: half of it, and a quota per tenant
+        bottom = nvme.capacity_bytes // host.block_bytes if nvme is not None else host.num_blocks
+        self.max_pinned_blocks = max(1, bottom // 2)
+        self.pin_quota_blocks = min(pin_quota_blocks or self.max_pinned_blocks, self.max_pinned_blocks)
+        self.pins: dict[bytes, tuple[float, str]] = {}
+        self._pin_heap: list[tuple[float, bytes]] = []
+        self._clock = clock
         # a request takes at most this many blocks from the tiers, and at most this many are in
         # flight from NVMe, so that loads cannot push each other (or a request's own chain) out of DRAM
         self.max_load_blocks = max_load_blocks or max(1, host.num_blocks // 2)
@@ -81,6 +92,49 @@ class TierManager:
         c.demote_bytes += data.numel() * data.element_size()
         c.demote_seconds += time.perf_counter() - t0
         self._spill(spilled)
+
+    # -- pins (prompt-cache breakpoints with a TTL) -------------------------------------------------
+    def pin(self, hashes: list[bytes], ttl_s: float, tenant: str) -> None:
+        """Keep these blocks (a prefix chain) for ttl_s seconds: they may be demoted, never dropped.
+        Pinning again extends the TTL. ValueError (naming cache_control) past a quota."""
+        now = self._clock()
+        self.expire_pins(now)
+        new = [h for h in hashes if h not in self.pins]
+        mine = sum(1 for _, t in self.pins.values() if t == tenant) + len(new)
+        block_bytes = self.host.block_bytes
+        if mine > self.pin_quota_blocks:
+            raise ValueError(f"cache_control: tenant {tenant or 'default'!r} would pin {mine * block_bytes} bytes of "
+                             f"KV, over its quota of {self.pin_quota_blocks * block_bytes}")
+        if len(self.pins) + len(new) > self.max_pinned_blocks:
+            raise ValueError(f"cache_control: the server's pinned KV is full ({self.max_pinned_blocks * block_bytes} "
+                             "bytes); retry later or without cache_control")
+        expiry = now + ttl_s
+        for h in hashes:
+            old = self.pins.get(h)
+            if old is None or old[0] < expiry:
+                self.pins[h] = (expiry, tenant if old is None else old[1])
+                heapq.heappush(self._pin_heap, (expiry, h))
+        self._publish_pins()
+
+    def expire_pins(self, now: float | None = None) -> None:
+        now = self._clock() if now is None else now
+        changed = False
+        while self._pin_heap and self._pin_heap[0][0] <= now:
+            expiry, h = heapq.heappop(self._pin_heap)
+            if self.pins.get(h, (None,))[0] == expiry:
+                del self.pins[h]
+                changed = True
+        if changed:
+            self._publish_pins()
+
+    def pinned_blocks(self, tenant: str | None = None) -> int:
+        return sum(1 for _, t in self.pins.values() if tenant is None or t == tenant)
+
+    def _publish_pins(self) -> None:
+        snapshot = frozenset(self.pins)  # read by the NVMe IO threads: replaced, never mutated
+        self.host.pinned = snapshot
+        if self.nvme is not None:
+            self.nvme.pinned = snapshot
 
     # -- swap ------------------------------------------------------------------------------------
     def swap_out(self, keys: list[bytes], block_ids: list[int]) -> bool:
@@ -124,6 +178,7 @@ class TierManager:
         """How many of `hashes` (the uncached rest of a request's chain) are in DRAM from the first,
         and whether more of the chain is on its way from NVMe (the request should wait for it)."""
         self.poll()
+        self.expire_pins()
         n = min(self.host.match(hashes), self.max_load_blocks)
         rest = hashes[n:]
         if not rest or self.nvme is None:
@@ -201,6 +256,9 @@ class TierManager:
                 pass
         self.loads.clear()
         self.loading.clear()
+        self.pins.clear()  # an operator's flush overrides pins
+        self._pin_heap.clear()
+        self._publish_pins()
         n = self.host.clear()
         if self.nvme is not None:
             self.nvme.flush()
@@ -215,6 +273,7 @@ class TierManager:
     def stats(self) -> dict:
         c = self.counters
         out = {
+            "pinned_blocks": len(self.pins),
             "dram": {**self.host.stats(), "promoted_blocks": c.promoted_blocks, "demoted_blocks": c.demoted_blocks,
                      "swapped_out_blocks": c.swapped_out_blocks, "swapped_in_blocks": c.swapped_in_blocks,
                      "swap_fallbacks": c.swap_fallbacks,

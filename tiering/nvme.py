@@ -203,6 +203,8 @@ class NvmeTier:
         self.payload_bytes = math.prod(shape) * dtype.itemsize
         self._dtype_name = str(dtype).removeprefix("torch.")
         self._lock = threading.Lock()
+        # pinned blocks (prompt-cache breakpoints) are never evicted; replaced whole by the tier manager
+        self.pinned: frozenset[bytes] = frozenset()
         self._entries: dict[bytes, _Entry] = {}
         self._parent_to_children: dict[bytes, set[bytes]] = {}  # only children in the index
         self._leaf_heap: list[tuple[int, bytes]] = []  # (last_access, hash), validated lazily
@@ -448,8 +450,7 @@ class NvmeTier:
         with self._lock:
             stored = False
             try:
-                if io_ok and self._pending.get(p.block_hash) is p:
-                    self._make_room(p.size_bytes)
+                if io_ok and self._pending.get(p.block_hash) is p and self._make_room(p.size_bytes):
                     os.replace(tmp, path)
                     tmp = None
                     self._insert(p.block_hash, p.parent_hash, p.size_bytes, self._next_tick())
@@ -499,19 +500,36 @@ class NvmeTier:
         if block_hash not in self._parent_to_children:
             self._push_leaf(block_hash, entry)
 
-    def _make_room(self, size: int) -> None:
+    def _make_room(self, size: int) -> bool:
+        """Evict until `size` more bytes fit; False if only pinned blocks are left to evict."""
         while self._used_bytes + size > self.capacity_bytes and self._entries:
-            self._drop(self._pop_lru_leaf())
+            victim = self._pop_lru_leaf()
+            if victim is None:
+                return False
+            self._drop(victim)
             self._counters.evictions += 1
+        return self._used_bytes + size <= self.capacity_bytes
 
-    def _pop_lru_leaf(self) -> bytes:
+    def _pop_lru_leaf(self) -> bytes | None:
+        pinned = self.pinned
+        skipped = []
+        found = None
         while self._leaf_heap:
             tick, block_hash = heapq.heappop(self._leaf_heap)
             entry = self._entries.get(block_hash)
             if entry is not None and entry.last_access == tick and block_hash not in self._parent_to_children:
-                return block_hash
+                if block_hash in pinned:
+                    skipped.append((tick, block_hash))
+                    continue
+                found = block_hash
+                break
+        for item in skipped:
+            heapq.heappush(self._leaf_heap, item)
+        if found is not None or skipped:
+            return found
         # no leaf: only a parent cycle (impossible with chained SHA-256) gets here; plain LRU then
-        return min(self._entries, key=lambda h: self._entries[h].last_access)
+        unpinned = [h for h in self._entries if h not in pinned]
+        return min(unpinned, key=lambda h: self._entries[h].last_access) if unpinned else None
 
     def _push_leaf(self, block_hash: bytes, entry: _Entry) -> None:
         heapq.heappush(self._leaf_heap, (entry.last_access, block_hash))

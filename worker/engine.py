@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.worker.block_hash import HashContext
+from kvstrata.worker.block_hash import HashContext, hash_blocks
 from kvstrata.worker.kv_cache_manager import KVCacheManager
 from kvstrata.worker.model_runner import ModelRunner
 from kvstrata.worker.outputs import CompletionOutput, RequestOutput
@@ -89,11 +89,15 @@ class LLMEngine:
         return shared + params.n * self.kv.blocks_for(total - shared * bs)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, cache_salt: str = "") -> None:
+                    prompt: str | None = None, cache_salt: str = "",
+                    cache_pins: list[tuple[int, float]] | None = None, tenant: str = "") -> None:
+        """cache_pins: (prompt tokens, TTL seconds) breakpoints; each pins the prompt's full blocks up
+        to it in the KV tiers, charged to `tenant`'s quota."""
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
         root = self._hash_root(cache_salt)
+        pinned_tokens = self._pin(prompt_token_ids, root, cache_pins or [], tenant) if cache_pins else 0
         arrival = next(self._arrival)
         samples = [
             Request(request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
@@ -108,12 +112,30 @@ class LLMEngine:
                 s.detokenizer = Detokenizer(self.tokenizer)
             if params.logprobs is not None:
                 s.logprobs = []
+        samples[0].num_pinned_tokens = pinned_tokens
         for child in samples[1:]:
             child.status = RequestStatus.FORK_PENDING
         samples[0].forks = samples[1:]
         self.groups[request_id] = RequestGroup(request_id, prompt, samples)
         self.scheduler.add_request(samples[0])
         self.stats.num_prompt_tokens += len(prompt_token_ids)
+
+    def _pin(self, prompt_token_ids: list[int], root: bytes, pins: list[tuple[int, float]], tenant: str) -> int:
+        if self.kv.tiers is None:
+            raise ValueError("cache_control: pinning needs a KV tier below the device pool (cpu_kv_bytes)")
+        bs = self.kv.block_size
+        hashes = hash_blocks(root, prompt_token_ids, bs)
+        longest = 0
+        for i, (num_tokens, ttl_s) in enumerate(pins):
+            if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 < num_tokens <= len(
+                    prompt_token_ids):
+                raise ValueError(f"cache_control[{i}]: the breakpoint must be within the prompt, got {num_tokens}")
+            if not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= 24 * 3600:
+                raise ValueError(f"cache_control[{i}]: ttl must be between 0 and 24 hours, got {ttl_s}")
+            longest = max(longest, num_tokens // bs * bs)
+        for num_tokens, ttl_s in sorted(pins, key=lambda p: p[1]):
+            self.kv.tiers.pin(hashes[:num_tokens // bs], ttl_s, tenant)  # ValueError past a quota
+        return longest
 
     def _hash_root(self, cache_salt: str) -> bytes:
         root = self._hash_roots.get(cache_salt)
@@ -229,8 +251,9 @@ class LLMEngine:
                 finish_reason=s.finish_reason.value if s.finish_reason else None,
                 stop_reason=s.stop_reason, logprobs=s.logprobs,
             ))
-        return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids,
-                             first.num_cached_tokens or 0, outputs)
+        cached = first.num_cached_tokens or 0
+        return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, cached, outputs,
+                             num_cache_write_tokens=max(0, first.num_pinned_tokens - cached))
 
     # -- introspection ---------------------------------------------------------------------
     def live_requests(self) -> list[Request]:

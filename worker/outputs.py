@@ -23,3 +23,5 @@ class RequestOutput:
     num_cached_tokens: int
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    # prompt tokens this request pinned (cache_control) that were not already cached: written
+    num_cache_write_tokens: int = 0

@@ -58,6 +58,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    num_pinned_tokens: int = 0  # prompt tokens covered by this request's cache pins
     # set while preempted by swap: the DRAM keys of its blocks and the tokens they hold
     swapped: tuple[list[bytes], int] | None = None
     generator: torch.Generator | None = None
