@@ -126,6 +126,8 @@ def _check_tier_metrics(cache_stats: dict, dram: dict) -> None:
     ({"nvme_kv_dir": "/tmp/x", "nvme_kv_bytes": 1 << 20}, "needs cpu_kv_bytes"),
     ({"cpu_kv_bytes": 1 << 24, "nvme_kv_dir": "/tmp/x"}, "needs nvme_kv_bytes"),
     ({"nvme_kv_bytes": 1 << 20}, "needs nvme_kv_dir"),
+    ({"pin_quota_bytes": 1 << 20}, "pin_quota_bytes needs cpu_kv_bytes"),
+    ({"cpu_kv_bytes": 1 << 24, "pin_quota_bytes": -1}, "pin_quota_bytes"),
 ])
 def test_bad_tier_arguments(kwargs, needle):
     from kvstrata import LLM
@@ -316,7 +318,14 @@ def test_a_pinned_prefix_outlives_a_flood_until_its_ttl(llm):
 def test_pins_have_quotas_and_need_a_tier(llm):
     from kvstrata import LLM
 
-    small = LLM("smollm2-135m", num_gpu_blocks=24, cpu_kv_bytes=24 * _block_bytes(llm))
+    small = LLM("smollm2-135m", num_gpu_blocks=24, cpu_kv_bytes=24 * _block_bytes(llm),
+                pin_quota_bytes=4 * _block_bytes(llm))
+    rng0 = random.Random(9)
+    five = [rng0.randrange(100, 40000) for _ in range(80)]  # 5 blocks: over this tenant's quota of 4
+    with pytest.raises(ValueError, match="over its quota of"):
+        small.engine.add_request("five", five, GREEDY, cache_pins=[(80, 60.0)], tenant="t0")
+    small.engine.add_request("four", five, GREEDY, cache_pins=[(64, 60.0)], tenant="t0")  # 4 blocks: fine
+    small.engine.abort("four")
     engine = small.engine
     rng = random.Random(6)
     prompt = [rng.randrange(100, 40000) for _ in range(208)]  # 13 blocks: over the 12-block limit

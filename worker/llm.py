@@ -25,9 +25,11 @@ class LLM:
                  max_model_len: int | None = None, dtype: str | None = None, device: str | None = None,
                  seed: int = 0, enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 128, kv_cache_bytes: int | None = None, cpu_kv_bytes: int | None = None,
-                 nvme_kv_dir: str | None = None, nvme_kv_bytes: int | None = None):
+                 nvme_kv_dir: str | None = None, nvme_kv_bytes: int | None = None,
+                 pin_quota_bytes: int | None = None):
         """cpu_kv_bytes adds a DRAM tier under the device pool, and nvme_kv_dir (with nvme_kv_bytes)
-        an NVMe tier under that: blocks the pool evicts are kept there and promoted back on a hit."""
+        an NVMe tier under that: blocks the pool evicts are kept there and promoted back on a hit.
+        pin_quota_bytes caps one tenant's prompt-cache pins (default: all pins' limit, half the lowest tier)."""
         _check_positive("block_size", block_size)
         if num_gpu_blocks is not None:
             _check_positive("num_gpu_blocks", num_gpu_blocks)
@@ -36,6 +38,10 @@ class LLM:
         _check_positive("max_num_batched_tokens", max_num_batched_tokens)
         _check_positive("max_num_seqs", max_num_seqs)
         _check_tier_args(cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes)
+        if pin_quota_bytes is not None:
+            _check_positive("pin_quota_bytes", pin_quota_bytes)
+            if cpu_kv_bytes is None:
+                raise ValueError("pin_quota_bytes needs cpu_kv_bytes: pins live in the KV tiers")
         loaded = load_model(model, dtype=dtype, device=device)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -54,8 +60,11 @@ class LLM:
             max_model_len=max_model_len or limit,
         )
         if cpu_kv_bytes is not None:
-            kv.attach_tiers(_build_tiers(runner, block_bytes, cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes,
-                                         f"{self.model_id}/{loaded.model.dtype}/bs{block_size}"))
+            tiers = _build_tiers(runner, block_bytes, cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes,
+                                 f"{self.model_id}/{loaded.model.dtype}/bs{block_size}")
+            if pin_quota_bytes is not None:
+                tiers.pin_quota_blocks = min(max(1, pin_quota_bytes // block_bytes), tiers.max_pinned_blocks)
+            kv.attach_tiers(tiers)
         self.engine = LLMEngine(runner, self.tokenizer, kv, sched, self.model_id, seed=seed)
         self._ids = itertools.count()
 
