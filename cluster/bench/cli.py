@@ -17,6 +17,9 @@ def add_bench_parser(sub) -> None:
     from kvstrata.cluster.bench.memory import add_bench_memory_parser
 
     add_bench_memory_parser(bench_sub)
+    from kvstrata.cluster.bench.tiering_cli import add_bench_tiering_parser
+
+    add_bench_tiering_parser(bench_sub)
     from kvstrata.cluster.bench.serve_cli import add_bench_serve_parser
 
     add_bench_serve_parser(bench_sub)
