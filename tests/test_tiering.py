@@ -340,3 +340,38 @@ def test_pins_have_quotas_and_need_a_tier(llm):
         llm.engine.add_request("no-tier", prompt, GREEDY, cache_pins=[(16, 60.0)])
     assert not llm.engine.has_unfinished_requests()
     small.check_integrity()
+
+
+def test_nvme_backpressure_drops_spills_instead_of_queueing_without_bound(llm, prompts, expected, tmp_path):
+    tiered = _nvme_llm(llm, tmp_path)
+    try:
+        tiered.engine.kv.tiers.max_pending_writes = 0  # as if the disk could never keep up
+        for p, want in zip(prompts, expected):
+            assert tiered.generate([p], GREEDY)[0].outputs[0].token_ids == want
+        nvme = tiered.cache_stats()["tiers"]["nvme"]
+        assert nvme["spill_drops"] > 0 and nvme["spilled_blocks"] == 0 and nvme["blocks"] == 0
+        tiered.check_integrity()
+    finally:
+        tiered.close()
+
+
+def test_a_request_stops_waiting_for_nvme_after_a_bounded_number_of_steps(llm, prompts, expected, tmp_path):
+    from concurrent.futures import Future
+
+    tiered = _nvme_llm(llm, tmp_path)
+    try:
+        for p in prompts:
+            tiered.generate([p], GREEDY)
+        tiers = tiered.engine.kv.tiers
+        tiers.host.clear()
+        tiered.engine.kv.pool.reset_prefix_cache()
+        never = Future()  # a load that never finishes
+        tiers.nvme.get_many = lambda hashes: never
+        got = tiered.generate([prompts[0]], GREEDY)[0]  # admitted after the bound, and recomputed
+        assert got.outputs[0].token_ids == expected[0] and got.num_cached_tokens == 0
+        assert tiers.loading  # the stuck load is still outstanding; it was not waited for forever
+        never.set_result([None] * len(tiers.loads[0].hashes))
+        tiers.poll()
+        tiered.check_integrity()
+    finally:
+        tiered.close()

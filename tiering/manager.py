@@ -47,6 +47,7 @@ class TierCounters:
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
     swap_fallbacks: int = 0  # swaps whose blocks DRAM could not keep: recomputed instead
+    spill_drops: int = 0  # DRAM evictions not written to NVMe because too many writes were queued
     extra: dict = field(default_factory=dict)
 
 
@@ -74,6 +75,8 @@ class TierManager:
         # a request takes at most this many blocks from the tiers, and at most this many are in
         # flight from NVMe, so that loads cannot push each other (or a request's own chain) out of DRAM
         self.max_load_blocks = max_load_blocks or max(1, host.num_blocks // 2)
+        # DRAM evictions queued for NVMe at most; beyond, unpinned ones are dropped (backpressure)
+        self.max_pending_writes = 256
         self.loads: list[_Load] = []
         self.loading: set[bytes] = set()
         self.counters = TierCounters()
@@ -169,19 +172,24 @@ class TierManager:
         if self.nvme is None:
             return
         for ev in spilled:
-            if not ev.block_hash.startswith(SWAP_PREFIX):
-                self.nvme.put(ev.block_hash, ev.parent_hash, ev.data)
-                self.counters.spilled_to_nvme += 1
+            if ev.block_hash.startswith(SWAP_PREFIX):
+                continue
+            if self.nvme.num_pending_writes >= self.max_pending_writes and ev.block_hash not in self.pins:
+                self.counters.spill_drops += 1  # the disk is behind: drop rather than queue without bound
+                continue
+            self.nvme.put(ev.block_hash, ev.parent_hash, ev.data)
+            self.counters.spilled_to_nvme += 1
 
     # -- lookup and promotion --------------------------------------------------------------------
-    def lookup(self, hashes: list[bytes]) -> tuple[int, bool]:
+    def lookup(self, hashes: list[bytes], allow_load: bool = True) -> tuple[int, bool]:
         """How many of `hashes` (the uncached rest of a request's chain) are in DRAM from the first,
-        and whether more of the chain is on its way from NVMe (the request should wait for it)."""
+        and whether more of the chain is on its way from NVMe (the request should wait for it).
+        With allow_load False, NVMe is not consulted: the request takes what DRAM has now."""
         self.poll()
         self.expire_pins()
         n = min(self.host.match(hashes), self.max_load_blocks)
         rest = hashes[n:]
-        if not rest or self.nvme is None:
+        if not rest or self.nvme is None or not allow_load:
             return n, False
         if rest[0] in self.loading:
             return n, True
@@ -281,7 +289,7 @@ class TierManager:
                      "promote_gb_per_s": _rate(c.promote_bytes, c.promote_seconds)},
         }
         if self.nvme is not None:
-            out["nvme"] = {**self.nvme.stats(), "spilled_blocks": c.spilled_to_nvme,
+            out["nvme"] = {**self.nvme.stats(), "spilled_blocks": c.spilled_to_nvme, "spill_drops": c.spill_drops,
                            "loaded_blocks": c.loaded_from_nvme, "failed_loads": c.failed_loads,
                            "loads_in_flight": len(self.loading)}
         return out

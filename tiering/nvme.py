@@ -239,6 +239,10 @@ class NvmeTier:
     def used_bytes(self) -> int:
         return self._used_bytes
 
+    @property
+    def num_pending_writes(self) -> int:
+        return len(self._pending)  # a len() of a dict is atomic; no lock needed for a gauge
+
     def hashes(self) -> list[bytes]:
         """The blocks in the index, as of now."""
         with self._lock:

@@ -24,6 +24,7 @@ from kvstrata.worker.request import Request, RequestStatus
 if TYPE_CHECKING:
     from kvstrata.tiering.manager import TierManager
 
+MAX_TIER_WAITS = 64  # scheduler steps a request may wait for its blocks to load from NVMe
 SWAP_PREFIX = b"swap:"  # DRAM keys of swapped-out blocks (kvstrata.tiering.manager uses the same)
 
 
@@ -87,7 +88,11 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks = self.pool.get_cached(request.block_hashes[:max_blocks])
         if self.tiers is not None and len(blocks) < max_blocks:
-            n, pending = self.tiers.lookup(request.block_hashes[len(blocks):max_blocks])
+            # a request waits for NVMe a bounded number of steps, so that it cannot starve when
+            # other loads keep pushing its blocks back out of DRAM
+            allow_load = request.num_tier_waits < MAX_TIER_WAITS
+            n, pending = self.tiers.lookup(request.block_hashes[len(blocks):max_blocks], allow_load)
+            request.num_tier_waits += pending
             if n or pending:
                 tier_hashes = tuple(request.block_hashes[len(blocks):len(blocks) + n])
                 return ComputedBlocks(blocks, (len(blocks) + n) * self.block_size, tier_hashes, pending)

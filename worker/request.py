@@ -59,6 +59,7 @@ class Request:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     num_pinned_tokens: int = 0  # prompt tokens covered by this request's cache pins
+    num_tier_waits: int = 0  # scheduler steps spent waiting for blocks to load from NVMe
     # set while preempted by swap: the DRAM keys of its blocks and the tokens they hold
     swapped: tuple[list[bytes], int] | None = None
     generator: torch.Generator | None = None
