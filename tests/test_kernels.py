@@ -170,3 +170,22 @@ def test_c_rms_norm_and_fused_residual_add_match_torch(rows):
     torch.testing.assert_close(out, rms_norm(expected_res, w, 1e-5), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="residual"):
         KERNELS.add_rms_norm(x, res[:, :10], w, 1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_copy_between_the_pool_and_the_dram_layout(dtype):
+    pool = torch.randn(3, 2, 10, 4, 2, 8).to(dtype)  # [L, 2, N, B, H, D]
+    host = torch.zeros(6, 3, 2, 4, 2, 8, dtype=dtype)  # [N, L, 2, B, H, D]
+    KERNELS.copy_blocks(pool, 2, [7, 0, 9], host, 0, [5, 1, 2])
+    for block, slot in ((7, 5), (0, 1), (9, 2)):
+        assert torch.equal(host[slot], pool[:, :, block])
+    assert not host[[0, 3, 4]].any()  # untouched slots stay untouched
+    back = torch.zeros_like(pool)
+    KERNELS.copy_blocks(host, 0, [5, 1, 2], back, 2, [1, 2, 3])
+    assert torch.equal(back[:, :, [1, 2, 3]], pool[:, :, [7, 0, 9]])
+    assert not back[:, :, [0, 4, 5, 6, 7, 8, 9]].any()
+    with pytest.raises(ValueError, match="different blocks"):
+        KERNELS.copy_blocks(pool, 2, [0], torch.zeros(2, 3, 2, 4, 2, 4, dtype=dtype), 0, [0])
+    with pytest.raises(ValueError, match="as many"):
+        KERNELS.copy_blocks(pool, 2, [0, 1], host, 0, [0])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -68,9 +69,12 @@ class HostTier:
             n += 1
         return n
 
-    def put(self, hashes: list[bytes], parents: list[bytes | None], data: torch.Tensor) -> list[Evicted]:
-        """Store blocks (data: [n, *block_shape]), oldest first. Returns what had to be evicted to make
-        room, for the tier below. Hashes already here are refreshed, not stored twice."""
+    def put(self, hashes: list[bytes], parents: list[bytes | None], data: torch.Tensor | None = None,
+            fill: Callable[[list[int], list[int]], None] | None = None) -> list[Evicted]:
+        """Store blocks, oldest first: their data as a tensor [n, *block_shape], or through
+        fill(rows, slots), which copies those source rows into those slots (straight from the
+        device pool, one pass). Returns what had to be evicted to make room, for the tier below.
+        Hashes already here are refreshed, not stored twice."""
         evicted: list[Evicted] = []
         rows, slots = [], []
         for i, (h, parent) in enumerate(zip(hashes, parents)):
@@ -92,17 +96,29 @@ class HostTier:
             rows.append(i)
             slots.append(slot)
             self.puts += 1
-        if rows:
+        if rows and fill is not None:
+            fill(rows, slots)
+        elif rows:
             idx = torch.tensor(slots)
             self.storage.index_copy_(0, idx, data[torch.tensor(rows)] if len(rows) < len(data) else data)
         return evicted
 
+    def detach(self, hashes: list[bytes]) -> list[int]:
+        """Remove blocks (all must be here) but keep their slots, and data, until `release`:
+        for promotion, whose allocation may demote other blocks into this tier meanwhile."""
+        slots = [self.entries[h].slot for h in hashes]
+        for h in reversed(hashes):  # children first, so parents become leaves in turn
+            self._remove(h, free_slot=False)
+        return slots
+
+    def release(self, slots: list[int]) -> None:
+        self.free_slots.extend(slots)
+
     def take(self, hashes: list[bytes]) -> torch.Tensor:
         """Remove blocks (all must be here) and return their data [n, *block_shape], in order."""
-        slots = [self.entries[h].slot for h in hashes]
+        slots = self.detach(hashes)
         data = self.storage.index_select(0, torch.tensor(slots))
-        for h in reversed(hashes):  # children first, so parents become leaves in turn
-            self._remove(h)
+        self.release(slots)
         return data
 
     def discard(self, hashes: list[bytes]) -> int:
@@ -120,7 +136,7 @@ class HostTier:
         self.free_slots = list(range(self.num_blocks - 1, -1, -1))
         return n
 
-    def _remove(self, h: bytes) -> HostEntry:
+    def _remove(self, h: bytes, free_slot: bool = True) -> HostEntry:
         entry = self.entries.pop(h)
         p = entry.parent_hash
         if p is not None:
@@ -130,7 +146,8 @@ class HostTier:
                 parent = self.entries.get(p)
                 if parent is not None:  # now a leaf
                     heapq.heappush(self._heap, (parent.last_access, p))
-        self.free_slots.append(entry.slot)
+        if free_slot:
+            self.free_slots.append(entry.slot)
         return entry
 
     def _pop_leaf(self, protect: set[bytes]) -> Evicted | None:

@@ -19,6 +19,7 @@ import heapq
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -72,6 +73,12 @@ class TierManager:
         self.pins: dict[bytes, tuple[float, str]] = {}
         self._pin_heap: list[tuple[float, bytes]] = []
         self._clock = clock
+        # one-pass block copies between the pool and DRAM when both are in host memory
+        self.kernels = None
+        if kv_cache.device.type == "cpu" and kv_cache.is_contiguous():
+            from kvstrata.worker.cpu_kernels import load_cpu_kernels
+
+            self.kernels = load_cpu_kernels()
         # a request takes at most this many blocks from the tiers, and at most this many are in
         # flight from NVMe, so that loads cannot push each other (or a request's own chain) out of DRAM
         self.max_load_blocks = max_load_blocks or max(1, host.num_blocks // 2)
@@ -87,14 +94,23 @@ class TierManager:
         if not evicted:
             return
         t0 = time.perf_counter()
-        ids = torch.tensor([e[0] for e in evicted], device=self.kv_cache.device)
-        data = self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).to("cpu")
-        spilled = self.host.put([e[1] for e in evicted], [e[2] for e in evicted], data)
+        spilled = self._put_from_pool([e[1] for e in evicted], [e[2] for e in evicted], [e[0] for e in evicted])
         c = self.counters
         c.demoted_blocks += len(evicted)
-        c.demote_bytes += data.numel() * data.element_size()
+        c.demote_bytes += len(evicted) * self.host.block_bytes
         c.demote_seconds += time.perf_counter() - t0
         self._spill(spilled)
+
+    def _put_from_pool(self, keys: list[bytes], parents: list[bytes | None], block_ids: list[int]) -> list:
+        """Store pool blocks in DRAM under keys: with the CPU kernel, one pass straight into the
+        tier's slots; otherwise a gather, then a copy (to pinned memory, on CUDA)."""
+        if self.kernels is not None:
+            def fill(rows: list[int], slots: list[int]) -> None:
+                self.kernels.copy_blocks(self.kv_cache, 2, [block_ids[r] for r in rows], self.host.storage, 0, slots)
+            return self.host.put(keys, parents, fill=fill)
+        ids = torch.tensor(block_ids, device=self.kv_cache.device)
+        data = self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).to("cpu")
+        return self.host.put(keys, parents, data)
 
     # -- pins (prompt-cache breakpoints with a TTL) -------------------------------------------------
     def pin(self, hashes: list[bytes], ttl_s: float, tenant: str) -> None:
@@ -147,11 +163,9 @@ class TierManager:
             self.counters.swap_fallbacks += 1
             return False
         t0 = time.perf_counter()
-        ids = torch.tensor(block_ids, device=self.kv_cache.device)
-        data = self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).to("cpu")
-        spilled = self.host.put(keys, [None] * len(keys), data)
+        spilled = self._put_from_pool(keys, [None] * len(keys), block_ids)
         c = self.counters
-        c.demote_bytes += data.numel() * data.element_size()
+        c.demote_bytes += len(keys) * self.host.block_bytes
         c.demote_seconds += time.perf_counter() - t0
         self._spill(spilled)
         if not self.has_all(keys):  # DRAM is smaller than the request: keep nothing
@@ -238,19 +252,26 @@ class TierManager:
                 pass
             self.poll()
 
-    def take(self, hashes: list[bytes]) -> torch.Tensor:
-        """Remove blocks from DRAM for promotion; their data, [n, L, 2, B, H, D]."""
-        return self.host.take(hashes)
-
-    def scatter(self, data: torch.Tensor, block_ids: list[int]) -> None:
-        """Write taken blocks into device blocks, in one copy."""
+    def bring_back(self, keys: list[bytes], allocate: Callable[[int], list]) -> list:
+        """Move blocks (all in DRAM) into fresh pool blocks from allocate(n), in one copy; returns
+        those blocks. The DRAM slots stay reserved until the copy is done, because the allocation
+        may demote other blocks into DRAM."""
+        slots = self.host.detach(keys)
+        blocks = allocate(len(keys))  # not timed: it may demote other blocks, which count as demotion
         t0 = time.perf_counter()
-        ids = torch.tensor(block_ids, device=self.kv_cache.device)
-        self.kv_cache.index_copy_(2, ids, data.permute(1, 2, 0, 3, 4, 5).to(self.kv_cache.device))
+        ids = [b.block_id for b in blocks]
+        if self.kernels is not None:
+            self.kernels.copy_blocks(self.host.storage, 0, slots, self.kv_cache, 2, ids)
+        else:
+            data = self.host.storage.index_select(0, torch.tensor(slots))
+            dev = self.kv_cache.device
+            self.kv_cache.index_copy_(2, torch.tensor(ids, device=dev), data.permute(1, 2, 0, 3, 4, 5).to(dev))
+        self.host.release(slots)
         c = self.counters
-        c.promoted_blocks += len(block_ids)
-        c.promote_bytes += data.numel() * data.element_size()
+        c.promoted_blocks += len(keys)
+        c.promote_bytes += len(keys) * self.host.block_bytes
         c.promote_seconds += time.perf_counter() - t0
+        return blocks
 
     # -- upkeep ----------------------------------------------------------------------------------
     def clear(self) -> int:

@@ -30,7 +30,7 @@ from kvstrata.worker.gguf_loader import cache_root
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "gemm.c", "norm.c")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "gemm.c", "norm.c", "block_copy.c")]
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-shared", "-fPIC"]
 GEMM_GROUP = 48  # output columns per packed group (NR in csrc/gemm.c)
@@ -51,6 +51,8 @@ class CpuKernels:
         lib.kvs_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_add_rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_rms_norm_f32.restype = lib.kvs_add_rms_norm_f32.restype = None
+        lib.kvs_copy_blocks.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7
+        lib.kvs_copy_blocks.restype = None
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> bool:
         return dtype in (torch.float32, torch.bfloat16) and num_heads % num_kv_heads == 0
@@ -101,6 +103,43 @@ class CpuKernels:
                m, weight.n, k)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
+
+    def copy_blocks(self, src: torch.Tensor, src_dim: int, src_ids: list[int], dst: torch.Tensor, dst_dim: int,
+                    dst_ids: list[int]) -> None:
+        """Block dst_ids[i] of dst = block src_ids[i] of src, for every i, in one pass.
+
+        Both are dense CPU tensors of one dtype; `*_dim` is the block dimension. Without it the two
+        shapes must be equal. The dimensions before a non-zero block dimension (layers, K/V) are
+        segments, the rest one piece: the pool [L, 2, N, B, H, D] (dim 2) and the block-major DRAM
+        tier [N, L, 2, B, H, D] (dim 0) hold the same blocks."""
+        if len(src_ids) != len(dst_ids):
+            raise ValueError("copy_blocks needs as many destination blocks as source blocks")
+        if not (src.is_contiguous() and dst.is_contiguous()) or src.dtype != dst.dtype or src.is_cuda or dst.is_cuda:
+            raise ValueError("copy_blocks needs dense CPU tensors of one dtype")
+        rest = [d for i, d in enumerate(src.shape) if i != src_dim]
+        if rest != [d for i, d in enumerate(dst.shape) if i != dst_dim]:
+            raise ValueError("copy_blocks: the two layouts hold different blocks")
+        k = max(src_dim, dst_dim)
+        if src_dim not in (0, k) or dst_dim not in (0, k):
+            raise ValueError("copy_blocks: the block dimension must come first or after the segments")
+        elt = src.element_size()
+        segments = piece_bytes = 1
+        for d in rest[:k]:
+            segments *= d
+        for d in rest[k:]:
+            piece_bytes *= d
+        piece_bytes *= elt
+
+        def strides(t: torch.Tensor, dim: int) -> tuple[int, int]:  # (segment, block), in bytes
+            return (t.stride(dim - 1) * elt if dim else piece_bytes), t.stride(dim) * elt
+
+        if not src_ids:
+            return
+        (s_seg, s_block), (d_seg, d_block) = strides(src, src_dim), strides(dst, dst_dim)
+        si = torch.tensor(src_ids, dtype=torch.int64)
+        di = torch.tensor(dst_ids, dtype=torch.int64)
+        self._lib.kvs_copy_blocks(src.data_ptr(), dst.data_ptr(), si.data_ptr(), di.data_ptr(), len(src_ids),
+                                  segments, piece_bytes, s_seg, s_block, d_seg, d_block)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x: [T, n] float32 -> normalised and scaled copy."""

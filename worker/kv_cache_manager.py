@@ -132,9 +132,7 @@ class KVCacheManager:
 
     def _promote(self, request: Request, hashes: list[bytes]) -> None:
         """Bring blocks from DRAM into fresh device blocks and cache them, continuing the chain."""
-        data = self.tiers.take(hashes)  # out of DRAM first: the allocation below may demote into it
-        blocks = self.pool.allocate(len(hashes))
-        self.tiers.scatter(data, [b.block_id for b in blocks])
+        blocks = self.tiers.bring_back(hashes, self.pool.allocate)
         parent = request.block_table[-1] if request.block_table else None
         for block, h in zip(blocks, hashes):
             cached = self.pool.cache(block, h, parent)
@@ -227,9 +225,7 @@ class KVCacheManager:
         reserve = self.watermark_blocks if watermark else 0
         if self.pool.num_free_blocks - len(keys) - num_new_blocks < reserve:
             return False
-        data = self.tiers.take(keys)
-        blocks = self.pool.allocate(len(keys))
-        self.tiers.scatter(data, [b.block_id for b in blocks])
+        blocks = self.tiers.bring_back(keys, self.pool.allocate)
         self.tiers.counters.swapped_in_blocks += len(keys)
         self.tiers.counters.promoted_blocks -= len(keys)  # counted as swap, not as a cache hit
         request.block_table = blocks
