@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def integer(text: str) -> int:
@@ -16,6 +17,25 @@ def positive_int(text: str) -> int:
     value = integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_number(text: str, allow_inf: bool = False) -> float:
+    """A float > 0; finite unless allow_inf."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or (math.isinf(value) and not allow_inf):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a positive {'number or inf' if allow_inf else 'finite number'}, "
+                                         f"got {text}")
     return value
 
 

@@ -9,12 +9,11 @@ draining server 503, a missing or wrong API key 401.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvstrata.cluster.engine_service import Delta, Draining, EngineService, Overloaded, StreamItem, chat_cache_pins
+from kvstrata.cluster.http_runs import ClientGone, Runs, unless_disconnected
 from kvstrata.cluster.metrics import CONTENT_TYPE, ServingMetrics
 from kvstrata.cluster.openai_protocol import (
     ChatCompletionRequest,
@@ -37,10 +37,6 @@ from kvstrata.worker.sampling_params import SamplingParams
 
 
 MAX_BODY_BYTES = 16 << 20  # as the gRPC message cap
-
-
-class _ClientGone(Exception):
-    pass
 
 
 class _BodyLimit:
@@ -77,88 +73,6 @@ class _BodyLimit:
                 await send(message)
 
         await self.app(scope, limited_receive, guarded_send)
-
-
-# -- running engine requests ---------------------------------------------------------------------
-class _Runs:
-    """The engine requests of one HTTP request, one per prompt. `start` submits them together and
-    waits for each one's first output, so bad input, overload or drain is known before any byte of
-    the response is sent."""
-
-    def __init__(self, started: list[tuple[AsyncIterator[StreamItem], StreamItem]]):
-        self.started = started
-
-    @classmethod
-    async def start(cls, service: EngineService, prompts: list[tuple[list[int], str | None]],
-                    params: SamplingParams, cache_salt: str, request_id: str,
-                    cache_pins: list[tuple[int, float]] | None = None, tenant: str = "") -> _Runs:
-        gens = [service.generate(ids, params, request_id=f"{request_id}-{k}", cache_salt=cache_salt, prompt=text,
-                                 cache_pins=cache_pins, tenant=tenant)
-                for k, (ids, text) in enumerate(prompts)]
-        firsts = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
-        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
-        if failed is not None:
-            for g in gens:
-                await g.aclose()
-            raise failed
-        return cls(list(zip(gens, firsts)))
-
-    async def items(self) -> AsyncIterator[tuple[int, StreamItem]]:
-        """(prompt index, item) as they come, from every prompt's stream."""
-        if len(self.started) == 1:
-            gen, first = self.started[0]
-            try:
-                yield 0, first
-                async for item in gen:
-                    yield 0, item
-            finally:
-                await gen.aclose()
-            return
-        q: asyncio.Queue = asyncio.Queue()
-
-        async def pump(k: int, gen: AsyncIterator[StreamItem], first: StreamItem) -> None:
-            try:
-                q.put_nowait((k, first))
-                async for item in gen:
-                    q.put_nowait((k, item))
-                q.put_nowait((k, None))
-            except Exception as e:  # handed to the consumer
-                q.put_nowait((k, e))
-
-        tasks = [asyncio.create_task(pump(k, g, f)) for k, (g, f) in enumerate(self.started)]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                k, item = await q.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield k, item
-        finally:
-            for t in tasks:
-                t.cancel()
-
-    async def aclose(self) -> None:
-        for gen, _ in self.started:
-            await gen.aclose()
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """Await work, cancelling it (and so aborting its engine requests) if the client goes away."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.05)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise _ClientGone()
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
 
 
 @dataclass
@@ -261,7 +175,7 @@ class OpenAIServer:
         created = int(time.time())
         salt = self.auth.cache_salt(tenant.name)
         n = params.n
-        runs = await _unless_disconnected(request, _Runs.start(self.service, prompts, params, salt, request_id,
+        runs = await unless_disconnected(request, Runs.start(self.service, prompts, params, salt, request_id,
                                                                cache_pins, tenant.name))
         if not req.stream:
             async def collect() -> Response:
@@ -278,7 +192,7 @@ class OpenAIServer:
                 return JSONResponse(render(choices, usage, request_id, created))
 
             try:
-                return await _unless_disconnected(request, collect())
+                return await unless_disconnected(request, collect())
             finally:
                 await runs.aclose()
 
@@ -494,8 +408,8 @@ class OpenAIServer:
         async def on_draining(request: Request, exc: Draining) -> JSONResponse:
             return error_response(503, str(exc), "unavailable_error", headers={"Retry-After": "5"})
 
-        @app.exception_handler(_ClientGone)
-        async def on_gone(request: Request, exc: _ClientGone) -> Response:
+        @app.exception_handler(ClientGone)
+        async def on_gone(request: Request, exc: ClientGone) -> Response:
             return Response(status_code=499)
 
         # the key is checked (a dependency) before the body is validated

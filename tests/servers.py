@@ -112,3 +112,13 @@ def wait_for_used_blocks(llm, expected: int, timeout: float = 10.0) -> int:
             break
         time.sleep(0.05)
     return used_blocks(llm)
+
+
+def wait_for_line(proc, needle: str, timeout: float = 120.0) -> str:
+    """The first line of a `kvstrata serve` subprocess's output that contains needle."""
+    line = ""
+    deadline = time.monotonic() + timeout
+    while needle not in line and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, "serve exited early"
+    return line

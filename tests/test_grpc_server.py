@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -17,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa:
 from kvstrata.protos.v1 import generation_pb2 as pb  # noqa: E402
 from kvstrata.protos.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 from kvstrata.worker.sampling_params import SamplingParams  # noqa: E402
-from tests.servers import LiveServer, used_blocks, wait_for_used_blocks  # noqa: E402
+from tests.servers import LiveServer, used_blocks, wait_for_line, wait_for_used_blocks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -206,11 +205,7 @@ def test_serve_command_serves_and_drains_on_sigterm():
                              "--grace-period", "5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
     try:
-        line = ""
-        deadline = time.monotonic() + 120
-        while "gRPC on" not in line and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "serve exited early"
+        line = wait_for_line(proc, "gRPC on")
         port = int(line.rsplit(":", 1)[1])
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             info = pb_grpc.GenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)

@@ -22,7 +22,7 @@ grpc = pytest.importorskip("grpc")
 from kvstrata.protos.v1 import generation_pb2 as pb  # noqa: E402
 from kvstrata.protos.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 from kvstrata.worker.sampling_params import SamplingParams  # noqa: E402
-from tests.servers import LiveServer, used_blocks, wait_for_used_blocks  # noqa: E402
+from tests.servers import LiveServer, used_blocks, wait_for_line, wait_for_used_blocks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -417,11 +417,7 @@ def test_serve_command_with_config_keys_and_sigterm(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "kvstrata.cluster.cli", "serve", "--config", str(cfg)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        line = ""
-        deadline = time.monotonic() + 120
-        while "HTTP on" not in line and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "serve exited early"
+        line = wait_for_line(proc, "HTTP on")
         url = line.split("HTTP on ", 1)[1].strip()
         c = openai.OpenAI(base_url=url + "/v1", api_key=KEY_ALPHA, max_retries=0, timeout=60)
         assert c.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2

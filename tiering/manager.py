@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -49,7 +49,6 @@ class TierCounters:
     swapped_in_blocks: int = 0
     swap_fallbacks: int = 0  # swaps whose blocks DRAM could not keep: recomputed instead
     spill_drops: int = 0  # DRAM evictions not written to NVMe because too many writes were queued
-    extra: dict = field(default_factory=dict)
 
 
 def block_shape(kv_cache: torch.Tensor) -> tuple[int, ...]:
@@ -252,10 +251,10 @@ class TierManager:
                 pass
             self.poll()
 
-    def bring_back(self, keys: list[bytes], allocate: Callable[[int], list]) -> list:
+    def bring_back(self, keys: list[bytes], allocate: Callable[[int], list], swap: bool = False) -> list:
         """Move blocks (all in DRAM) into fresh pool blocks from allocate(n), in one copy; returns
         those blocks. The DRAM slots stay reserved until the copy is done, because the allocation
-        may demote other blocks into DRAM."""
+        may demote other blocks into DRAM. `swap`: a swap-in, not a cache hit, in the counters."""
         slots = self.host.detach(keys)
         blocks = allocate(len(keys))  # not timed: it may demote other blocks, which count as demotion
         t0 = time.perf_counter()
@@ -268,7 +267,10 @@ class TierManager:
             self.kv_cache.index_copy_(2, torch.tensor(ids, device=dev), data.permute(1, 2, 0, 3, 4, 5).to(dev))
         self.host.release(slots)
         c = self.counters
-        c.promoted_blocks += len(keys)
+        if swap:
+            c.swapped_in_blocks += len(keys)
+        else:
+            c.promoted_blocks += len(keys)
         c.promote_bytes += len(keys) * self.host.block_bytes
         c.promote_seconds += time.perf_counter() - t0
         return blocks

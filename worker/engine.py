@@ -97,7 +97,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
         root = self._hash_root(cache_salt)
-        pinned_tokens = self._pin(prompt_token_ids, root, cache_pins or [], tenant) if cache_pins else 0
+        pinned_tokens, prompt_hashes = self._pin(prompt_token_ids, root, cache_pins, tenant) if cache_pins else (0, [])
         arrival = next(self._arrival)
         samples = [
             Request(request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
@@ -113,6 +113,7 @@ class LLMEngine:
             if params.logprobs is not None:
                 s.logprobs = []
         samples[0].num_pinned_tokens = pinned_tokens
+        samples[0].block_hashes = prompt_hashes  # hashed once for the pins; extended as the request grows
         for child in samples[1:]:
             child.status = RequestStatus.FORK_PENDING
         samples[0].forks = samples[1:]
@@ -120,7 +121,9 @@ class LLMEngine:
         self.scheduler.add_request(samples[0])
         self.stats.num_prompt_tokens += len(prompt_token_ids)
 
-    def _pin(self, prompt_token_ids: list[int], root: bytes, pins: list[tuple[int, float]], tenant: str) -> int:
+    def _pin(self, prompt_token_ids: list[int], root: bytes, pins: list[tuple[int, float]],
+             tenant: str) -> tuple[int, list[bytes]]:
+        """Pin each breakpoint's full prompt blocks; returns the pinned token count and the prompt's block hashes."""
         if self.kv.tiers is None:
             raise ValueError("cache_control: pinning needs a KV tier below the device pool (cpu_kv_bytes)")
         bs = self.kv.block_size
@@ -135,7 +138,7 @@ class LLMEngine:
             longest = max(longest, num_tokens // bs * bs)
         for num_tokens, ttl_s in sorted(pins, key=lambda p: p[1]):
             self.kv.tiers.pin(hashes[:num_tokens // bs], ttl_s, tenant)  # ValueError past a quota
-        return longest
+        return longest, hashes
 
     def _hash_root(self, cache_salt: str) -> bytes:
         root = self._hash_roots.get(cache_salt)

@@ -225,9 +225,7 @@ class KVCacheManager:
         reserve = self.watermark_blocks if watermark else 0
         if self.pool.num_free_blocks - len(keys) - num_new_blocks < reserve:
             return False
-        blocks = self.tiers.bring_back(keys, self.pool.allocate)
-        self.tiers.counters.swapped_in_blocks += len(keys)
-        self.tiers.counters.promoted_blocks -= len(keys)  # counted as swap, not as a cache hit
+        blocks = self.tiers.bring_back(keys, self.pool.allocate, swap=True)
         request.block_table = blocks
         request.num_computed_tokens = num_tokens
         request.num_registered_blocks = 0

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvstrata.cluster.argtypes import integer, positive_int
+from kvstrata.cluster.argtypes import integer, positive_int, positive_number
 from kvstrata.cluster.bench.serve import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_TPOT_SLO_MS,
@@ -105,19 +105,8 @@ def plot_report(report: ServeReport, path: Path) -> None:
 
 # -- the command ----------------------------------------------------------------------------------
 
-def _positive_number(text: str, allow_inf: bool = False) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or (math.isinf(value) and not allow_inf):  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be a positive {'number or inf' if allow_inf else 'finite number'}, "
-                                         f"got {text}")
-    return value
-
-
 def _request_rate(text: str) -> float:
-    return _positive_number(text, allow_inf=True)
+    return positive_number(text, allow_inf=True)
 
 
 def _base_url(text: str) -> str:
@@ -147,11 +136,11 @@ def add_bench_serve_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="default: the first model GET /v1/models lists")
     p.add_argument("--api-key", default=os.environ.get("KVSTRATA_API_KEY"), metavar="KEY",
                    help="sent as Authorization: Bearer KEY (default: $KVSTRATA_API_KEY)")
-    p.add_argument("--ttft-slo-ms", type=_positive_number, metavar="MS", default=DEFAULT_TTFT_SLO_MS,
+    p.add_argument("--ttft-slo-ms", type=positive_number, metavar="MS", default=DEFAULT_TTFT_SLO_MS,
                    help=f"time-to-first-token SLO for goodput (default {DEFAULT_TTFT_SLO_MS:g}, for a CPU host)")
-    p.add_argument("--tpot-slo-ms", type=_positive_number, metavar="MS", default=DEFAULT_TPOT_SLO_MS,
+    p.add_argument("--tpot-slo-ms", type=positive_number, metavar="MS", default=DEFAULT_TPOT_SLO_MS,
                    help=f"time-per-output-token SLO for goodput (default {DEFAULT_TPOT_SLO_MS:g}, for a CPU host)")
-    p.add_argument("--timeout", type=_positive_number, metavar="S", default=DEFAULT_TIMEOUT_S,
+    p.add_argument("--timeout", type=positive_number, metavar="S", default=DEFAULT_TIMEOUT_S,
                    help=f"seconds one request may take in all before it counts as failed "
                         f"(default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--json", type=Path, default=None, metavar="FILE",

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvstrata.cluster.argtypes import integer, positive_int
+from kvstrata.cluster.argtypes import integer, non_negative_int, positive_int, positive_number
 from kvstrata.cluster.bench.tiering import (
     _MB,
     BLOCK_SIZE,
@@ -103,23 +102,6 @@ DEFAULTS = {
 }
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def add_bench_tiering_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p = bench_subparsers.add_parser(
         "tiering", help="hit rate, TTFT and transfer bandwidth with DRAM and NVMe KV tiers",
@@ -131,9 +113,9 @@ def add_bench_tiering_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                    help=f"device pool blocks (default {full['gpu_blocks']})")
     p.add_argument("--conversations", type=positive_int, default=None,
                    help="default: enough that the chat's KV is --kv-ratio times the device pool")
-    p.add_argument("--kv-ratio", type=_positive_float, default=None, help=f"default {full['kv_ratio']:g}")
+    p.add_argument("--kv-ratio", type=positive_number, default=None, help=f"default {full['kv_ratio']:g}")
     p.add_argument("--turns", type=positive_int, default=None, help=f"turns per conversation (default {full['turns']})")
-    p.add_argument("--system-len", type=_non_negative_int, default=None,
+    p.add_argument("--system-len", type=non_negative_int, default=None,
                    help=f"system prompt tokens (default {full['system_len']})")
     p.add_argument("--user-len", type=positive_int, default=None,
                    help=f"tokens per user message (default {full['user_len']})")
