@@ -105,6 +105,8 @@ OPTIONS = [
     Option("cpu_kv_bytes", _size, None, "a DRAM tier of this size under the KV pool (e.g. 8GiB)"),
     Option("nvme_kv_dir", _text, None, "an NVMe tier of KV block files in this directory (needs --cpu-kv-bytes)"),
     Option("nvme_kv_bytes", _size, None, "the NVMe tier's capacity (e.g. 200GiB)"),
+    Option("nvme_admission", _text, "reuse", "what a full NVMe tier takes: reuse (reused, shallow or pinned "
+           "blocks) or all", ("reuse", "all")),
     Option("pin_quota_bytes", _size, None, "most KV one tenant may pin with cache_control (default: half the "
            "lowest tier, the limit for all pins together)"),
     Option("max_waiting", _positive, 256, "requests allowed to wait for admission before 429/RESOURCE_EXHAUSTED"),
@@ -232,7 +234,7 @@ def run_serve(args: argparse.Namespace) -> int:
     llm = LLM(opts["model"], dtype=opts["dtype"], num_gpu_blocks=opts["num_gpu_blocks"],
               max_model_len=opts["max_model_len"], cpu_kv_bytes=opts["cpu_kv_bytes"],
               nvme_kv_dir=opts["nvme_kv_dir"], nvme_kv_bytes=opts["nvme_kv_bytes"],
-              pin_quota_bytes=opts["pin_quota_bytes"])
+              pin_quota_bytes=opts["pin_quota_bytes"], nvme_admission=opts["nvme_admission"])
     try:
         return asyncio.run(_serve(llm, opts, auth))
     finally:

@@ -1,20 +1,24 @@
-"""NvmeTier: round trips, leaf-first LRU by bytes, bad files as misses, restart, threads.
+"""NvmeTier: round trips, leaf-first LRU by bytes, bad files as misses, restart, threads, the
+aligned file format, O_DIRECT and busy-time accounting.
 
-Every scenario ends with `check_integrity()`. Bad files are made by hand on disk (flipped bytes,
-truncation, renames, foreign layouts, garbage, stale temp files), and a stateful test drives the
-tier against a brute-force model of the eviction rule, restarts included.
+Every scenario ends with `check_integrity()`. The core scenarios run with O_DIRECT and through the
+page cache. Bad files are made by hand on disk (flipped bytes, truncation, renames, foreign
+layouts, garbage, version-1 files, stale temp files), and a stateful test drives the tier against
+a brute-force model of the eviction rule, restarts included.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import mmap
 import os
 import random
 import shutil
 import stat
 import tempfile
 import threading
+import zlib
 from pathlib import Path
 
 import pytest
@@ -23,12 +27,17 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvstrata.tiering import nvme
+from kvstrata.tiering.block_file import ALIGN, BlockHeader, round_up
+from kvstrata.tiering.disk_io import BusyClock, supports_direct_io
 from kvstrata.tiering.nvme import NvmeTier
 
 SHAPE = (2, 2, 4, 2, 8)  # [layers, k/v, block_size, kv_heads, head_dim]
 TAG = "test-model/bs4"
 PAYLOAD = math.prod(SHAPE) * 4  # float32
-THREE_BLOCKS = 3 * (PAYLOAD + 200)  # headers are < 200 bytes here, so 3 blocks fit and 4 do not
+# with or without a parent, the header pads to the same offset, so every file here has one size
+FILE = BlockHeader(b"h" * 32, b"p" * 32, TAG, "float32", SHAPE, PAYLOAD, 0).payload_offset + PAYLOAD
+THREE_BLOCKS = 3 * FILE  # 3 blocks fit and 4 do not
 
 
 def h(name: str) -> bytes:
@@ -75,9 +84,33 @@ def files(directory: Path, pattern: str = "*.kvb") -> list[Path]:
     return sorted(directory.glob(f"*/{pattern}"))
 
 
+def direct_io_works(directory: Path) -> bool:
+    """O_DIRECT checked without the tier's probe: one page-aligned (mmap) block written."""
+    path = directory / "direct-check"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        with mmap.mmap(-1, ALIGN) as buf:
+            return os.write(fd, buf) == ALIGN
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
+@pytest.fixture(params=[True, False], ids=["direct", "buffered"])
+def direct_io(request, tmp_path) -> bool:
+    if request.param and not direct_io_works(tmp_path):
+        pytest.skip(f"{tmp_path} does not support O_DIRECT")
+    return request.param
+
+
 @pytest.fixture
-def tier(tmp_path):
-    t = tier_at(tmp_path / "nvme")
+def tier(tmp_path, direct_io):
+    t = tier_at(tmp_path / "nvme", direct_io=direct_io)
     yield t
     t.close()
 
@@ -91,6 +124,7 @@ def tier(tmp_path):
     ({"block_shape": ()}, "block_shape"),
     ({"block_shape": (4, 0)}, "block_shape"),
     ({"num_io_threads": 0}, "num_io_threads"),
+    ({"direct_io": "yes"}, "direct_io"),
 ])
 def test_bad_arguments_name_the_argument(tmp_path, kwargs, name):
     args = {"directory": tmp_path, "capacity_bytes": 1 << 20, "block_shape": SHAPE, "dtype": torch.float32}
@@ -118,24 +152,30 @@ def test_bad_put_arguments(tier):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_round_trip_is_bit_exact(tmp_path, dtype):
-    tier = tier_at(tmp_path / "nvme", dtype=dtype, capacity=1 << 20)
+def test_round_trip_is_bit_exact(tmp_path, dtype, direct_io):
+    tier = tier_at(tmp_path / "nvme", dtype=dtype, capacity=1 << 20, direct_io=direct_io)
+    assert tier.direct_io is direct_io and tier.stats()["direct_io"] is direct_io
     data = block(1, dtype)
     data.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -0.0, -float("inf")], dtype=dtype)
+    strided = block(3, dtype, SHAPE[::-1]).permute(4, 3, 2, 1, 0)  # SHAPE, not contiguous
     assert tier.put(h("a"), None, data).result() is True
     assert tier.put(h("b"), h("a"), block(2, dtype)).result() is True
+    assert tier.put(h("c"), h("b"), strided).result() is True
     tier.flush()
     assert same(tier.get(h("a")).result(), data)
     assert same(tier.get(h("b")).result(), block(2, dtype))
+    assert same(tier.get(h("c")).result(), strided)
     assert tier.get(h("missing")).result() is None
-    assert h("a") in tier and h("missing") not in tier and len(tier) == 2
+    assert h("a") in tier and h("missing") not in tier and len(tier) == 3
     assert tier.parent_of(h("b")) == h("a") and tier.parent_of(h("a")) is None
     s = tier.stats()
-    assert (s["hits"], s["misses"], s["writes"], s["checksum_failures"]) == (2, 1, 2, 0)
+    assert (s["hits"], s["misses"], s["writes"], s["checksum_failures"]) == (3, 1, 3, 0)
     on_disk = sum(p.stat().st_size for p in files(tier.directory))
     assert s["bytes_written"] == s["used_bytes"] == tier.used_bytes == on_disk
+    assert on_disk == 3 * (ALIGN + math.prod(SHAPE) * dtype.itemsize)
     assert s["bytes_read"] == s["bytes_written"]
-    assert [stat.S_IMODE(p.stat().st_mode) for p in files(tier.directory)] == [0o600, 0o600]
+    assert [stat.S_IMODE(p.stat().st_mode) for p in files(tier.directory)] == [0o600] * 3
+    assert {stat.S_IMODE(p.stat().st_mode) for p in tier.directory.glob("??")} == {0o700}
     assert stat.S_IMODE(tier.directory.stat().st_mode) == 0o700
     assert files(tier.directory, ".*.tmp") == []
     tier.check_integrity()
@@ -168,11 +208,15 @@ def test_get_of_a_write_in_flight_sees_the_data(tier):
 
 
 def test_block_bigger_than_the_capacity_is_not_stored(tmp_path):
-    tier = tier_at(tmp_path / "nvme", capacity=PAYLOAD)  # the header does not fit on top
+    tier = tier_at(tmp_path / "nvme", capacity=FILE - 1)  # the padded header counts too
     assert tier.put(h("a"), None, block(0)).result() is False
     assert len(tier) == 0 and tier.used_bytes == 0 and files(tier.directory) == []
     tier.check_integrity()
     tier.close()
+    exact = tier_at(tmp_path / "exact", capacity=FILE)
+    assert exact.put(h("a"), None, block(0)).result() is True and exact.used_bytes == FILE
+    exact.check_integrity()
+    exact.close()
 
 
 def test_discard_removes_file_and_entry(tier):
@@ -288,6 +332,23 @@ def empty(tier: NvmeTier, path: Path) -> None:
     path.write_bytes(b"")
 
 
+def nonzero_pad(tier: NvmeTier, path: Path) -> None:
+    """The byte just before the payload: padding, which no checksum covers."""
+    raw = bytearray(path.read_bytes())
+    raw[ALIGN - 1] = 0x01
+    path.write_bytes(raw)
+
+
+def as_version_1(tier: NvmeTier, path: Path) -> None:
+    """Rewrite a file in the old format: a version-1 header, valid CRC, the payload right after it."""
+    raw = path.read_bytes()
+    header_len = int.from_bytes(raw[10:14], "little")
+    header = bytearray(raw[:header_len])
+    header[8:10] = (1).to_bytes(2, "little")
+    header[-4:] = zlib.crc32(header[:-4]).to_bytes(4, "little")
+    path.write_bytes(bytes(header) + raw[round_up(header_len):])
+
+
 def foreign_layout(**layout):
     def write(tier: NvmeTier, path: Path) -> None:
         other_dir = tier.directory.parent / "foreign"
@@ -307,6 +368,8 @@ BAD_FILES = {
     "another block's file": other_blocks_file,
     "garbage": garbage,
     "empty": empty,
+    "nonzero pad": nonzero_pad,
+    "version 1": as_version_1,
     "other tag": foreign_layout(layout_tag="other-model/bs4"),
     "other dtype": foreign_layout(dtype=torch.bfloat16),
     "other shape": foreign_layout(shape=(2, 2, 4, 2, 4)),
@@ -315,6 +378,7 @@ BAD_FILES = {
 
 @pytest.mark.parametrize("damage", BAD_FILES.values(), ids=list(BAD_FILES))
 def test_bad_file_reads_as_a_miss_and_is_dropped(tier, damage):
+    # direct: the tier reads its own files with O_DIRECT after they were rewritten through the page cache
     put_all(tier, ("a", "parent-elsewhere"), ("other", None))
     damage(tier, path_of(tier, h("a")))
     assert tier.get(h("a")).result() is None
@@ -355,8 +419,12 @@ def test_check_integrity_catches_disk_and_index_disagreeing(tier):
 # -- restart -----------------------------------------------------------------------------------------
 
 
-def test_restart_finds_the_same_blocks(tmp_path):
-    tier = tier_at(tmp_path / "nvme", dtype=torch.bfloat16, capacity=1 << 20)
+@pytest.mark.parametrize("reopen_direct", [True, False], ids=["reopen-direct", "reopen-buffered"])
+def test_restart_finds_the_same_blocks(tmp_path, direct_io, reopen_direct):
+    """The format does not depend on the mode, so either mode reopens what either wrote."""
+    if reopen_direct and not direct_io_works(tmp_path):
+        pytest.skip(f"{tmp_path} does not support O_DIRECT")
+    tier = tier_at(tmp_path / "nvme", dtype=torch.bfloat16, capacity=1 << 20, direct_io=direct_io)
     chain = [(f"b{i}", f"b{i - 1}" if i else None) for i in range(5)]
     for i, (name, parent) in enumerate(chain):
         tier.put(h(name), h(parent) if parent else None, block(i, torch.bfloat16))
@@ -366,7 +434,7 @@ def test_restart_finds_the_same_blocks(tmp_path):
         tier.put(h("z"), None, block(0, torch.bfloat16))
     used = tier.used_bytes
 
-    again = tier_at(tmp_path / "nvme", dtype=torch.bfloat16, capacity=1 << 20)
+    again = tier_at(tmp_path / "nvme", dtype=torch.bfloat16, capacity=1 << 20, direct_io=reopen_direct)
     assert len(again) == 5 and again.used_bytes == used
     assert all(again.parent_of(h(n)) == (h(p) if p else None) for n, p in chain)
     got = again.get_many([h(n) for n, _ in chain]).result()
@@ -375,9 +443,9 @@ def test_restart_finds_the_same_blocks(tmp_path):
     again.close()
 
 
-def test_restart_drops_bad_and_temp_files_and_leaves_foreign_ones(tmp_path):
-    tier = tier_at(tmp_path / "nvme", capacity=1 << 20)
-    put_all(tier, *[(n, None) for n in "abcdef"])
+def test_restart_drops_bad_and_temp_files_and_leaves_foreign_ones(tmp_path, direct_io):
+    tier = tier_at(tmp_path / "nvme", capacity=1 << 20, direct_io=direct_io)
+    put_all(tier, *[(n, None) for n in "abcdefg"])
     tier.close()
     flip_header_byte(tier, path_of(tier, h("a")))
     truncate(tier, path_of(tier, h("b")))
@@ -385,14 +453,16 @@ def test_restart_drops_bad_and_temp_files_and_leaves_foreign_ones(tmp_path):
     temp = path_of(tier, h("e")).parent / ".crashed-writer.tmp"
     temp.write_bytes(b"half a block")
     flip_last_byte(tier, path_of(tier, h("f")))  # header intact: only a read can tell
+    as_version_1(tier, path_of(tier, h("g")))
     (tmp_path / "nvme" / "00").mkdir(exist_ok=True)
     foreign_layout(layout_tag="old-layout")(tier, tmp_path / "nvme" / "00" / "ab.kvb")
 
-    again = tier_at(tmp_path / "nvme", capacity=1 << 20)
-    assert names_in(again, *"abcdef") == {"d", "e", "f"}
+    again = tier_at(tmp_path / "nvme", capacity=1 << 20, direct_io=direct_io)
+    assert names_in(again, *"abcdefg") == {"d", "e", "f"}
     s = again.stats()
-    assert (s["dropped_at_open"], s["foreign_files"]) == (4, 1)
+    assert (s["dropped_at_open"], s["foreign_files"]) == (5, 1)
     assert not temp.exists() and (tmp_path / "nvme" / "00" / "ab.kvb").exists()
+    assert not path_of(again, h("g")).exists()
     assert again.get(h("f")).result() is None and again.stats()["checksum_failures"] == 1
     assert same(again.get(h("d")).result(), data_of("d"))
     again.check_integrity()
@@ -405,7 +475,7 @@ def test_restart_over_capacity_evicts_by_file_age(tmp_path):
     tier.close()
     for age, name in enumerate("cadb"):  # oldest first
         os.utime(path_of(tier, h(name)), ns=(10**18 + age * 10**9,) * 2)
-    again = tier_at(tmp_path / "nvme", capacity=2 * (PAYLOAD + 200))
+    again = tier_at(tmp_path / "nvme", capacity=2 * FILE)
     assert names_in(again, *"abcd") == {"d", "b"} and again.stats()["evictions"] == 2
     again.check_integrity()
     again.close()
@@ -419,12 +489,136 @@ def test_one_tier_per_directory(tmp_path):
     tier_at(tmp_path / "nvme").close()
 
 
+# -- the file format and O_DIRECT --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tag, offset", [(TAG, ALIGN), ("t" * 5000, 2 * ALIGN)], ids=["short", "past 4096"])
+def test_payload_starts_aligned_after_zero_padding(tmp_path, direct_io, tag, offset):
+    tier = tier_at(tmp_path / "nvme", capacity=1 << 20, layout_tag=tag, direct_io=direct_io)
+    put_all(tier, ("a", "parent-elsewhere"))
+    path = path_of(tier, h("a"))
+    raw = path.read_bytes()
+    header_len = int.from_bytes(raw[10:14], "little")
+    header = BlockHeader.parse(memoryview(raw))
+    assert header.payload_offset == offset and header_len < offset
+    assert raw[header_len:offset] == bytes(offset - header_len)
+    assert len(raw) == offset + PAYLOAD and raw[offset:] == bytes(bits(data_of("a")).numpy())
+    with open(path, "rb") as f:
+        assert BlockHeader.read(f) == header and f.tell() == offset
+    assert (header.block_hash, header.parent_hash, header.layout_tag) == (h("a"), h("parent-elsewhere"), tag)
+    assert same(tier.get(h("a")).result(), data_of("a"))
+    tier.check_integrity()
+    tier.close()
+
+
+def test_auto_mode_uses_direct_io_where_the_file_system_takes_it(tmp_path):
+    expected = direct_io_works(tmp_path)  # True on this machine's ext4
+    tier = tier_at(tmp_path / "nvme")
+    assert tier.direct_io is expected and tier.stats()["direct_io"] is expected
+    assert [p.name for p in tier.directory.iterdir()] == [".lock"]  # the probe removed its file
+    tier.close()
+
+
+def test_the_probe_answers_for_its_directory(tmp_path):
+    assert supports_direct_io(tmp_path) is direct_io_works(tmp_path)
+    assert supports_direct_io(tmp_path / "missing") is False
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_direct_io_true_where_the_file_system_refuses_raises(tmp_path, monkeypatch):
+    # this kernel's tmpfs takes O_DIRECT too, so no directory here refuses it: stand in for one
+    monkeypatch.setattr(nvme, "supports_direct_io", lambda directory: False)
+    with pytest.raises(ValueError, match="direct_io"):
+        tier_at(tmp_path / "nvme", direct_io=True)
+    auto = tier_at(tmp_path / "nvme")  # the failed open released the directory
+    assert auto.direct_io is False and auto.stats()["direct_io"] is False
+    put_all(auto, ("a", None))
+    assert same(auto.get(h("a")).result(), data_of("a"))
+    auto.check_integrity()
+    auto.close()
+
+
+def in_page_cache(path: Path, offset: int, n: int) -> bool:
+    """A RWF_NOWAIT read succeeds only from the page cache (a miss starts readahead from `offset` on)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.preadv(fd, [bytearray(n)], offset, os.RWF_NOWAIT) == n
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs preadv2 with RWF_NOWAIT")
+def test_direct_io_keeps_blocks_out_of_the_page_cache(tmp_path, direct_io):
+    """The DRAM tier above caches blocks already: direct writes, reads and index rebuilds must not."""
+    tier = tier_at(tmp_path / "nvme", direct_io=direct_io)
+    put_all(tier, ("a", None))
+    assert same(tier.get(h("a")).result(), data_of("a"))
+    path = path_of(tier, h("a"))
+    assert in_page_cache(path, ALIGN, PAYLOAD) is not direct_io
+    tier.close()
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drop what the check's readahead brought in
+    os.close(fd)
+    again = tier_at(tmp_path / "nvme", direct_io=direct_io)  # reads every head
+    assert h("a") in again and same(again.get(h("a")).result(), data_of("a"))
+    assert in_page_cache(path, ALIGN, PAYLOAD) is not direct_io
+    assert in_page_cache(path, 0, ALIGN) is not direct_io  # second: readahead only goes forward
+    again.close()
+
+
+# -- bandwidth accounting ----------------------------------------------------------------------------
+
+
+def test_busy_clock_counts_overlapping_operations_once():
+    now = [1.0]
+    clock = BusyClock(lambda: now[0])
+    a = clock.begin()
+    now[0] = 2.0
+    b = clock.begin()
+    now[0] = 3.0
+    assert clock.end() - a == 2.0
+    assert clock.seconds == 2.0  # [1, 3] so far, b still open
+    now[0] = 5.0
+    assert clock.end() - b == 3.0
+    now[0] = 7.0
+    clock.begin()
+    now[0] = 7.5
+    clock.end()
+    now[0] = 100.0
+    assert clock.seconds == 4.5  # [1, 5] + [7, 7.5]: not the summed 5.5, nor the span 6.5
+
+
+def test_busy_seconds_are_the_time_any_io_thread_was_busy(tmp_path, direct_io):
+    tier = tier_at(tmp_path / "nvme", capacity=1 << 22, num_io_threads=2, direct_io=direct_io)
+    s = tier.stats()
+    assert (s["read_busy_seconds"], s["write_busy_seconds"]) == (0.0, 0.0)
+    names = [f"n{i}" for i in range(40)]
+    assert all(f.result() for f in [tier.put(h(n), None, data_of(n)) for n in names])  # 2 threads at once
+    for n in names[:5]:  # one at a time with idle gaps, which are not busy time
+        threading.Event().wait(0.01)
+        assert same(tier.get(h(n)).result(), data_of(n))
+    got = tier.get_many([h(n) for n in names]).result()  # 2 threads at once
+    assert all(same(t, data_of(n)) for t, n in zip(got, names, strict=True))
+    s = tier.stats()
+    assert 0 < s["write_busy_seconds"] <= s["write_seconds"]
+    assert 0 < s["read_busy_seconds"] <= s["read_seconds"]
+    assert s["bytes_written"] == 40 * FILE and s["bytes_read"] == 45 * FILE
+    old_keys = {"blocks", "used_bytes", "capacity_bytes", "pending_writes", "hits", "misses", "writes",
+                "write_failures", "evictions", "discards", "checksum_failures", "dropped_at_open",
+                "foreign_files", "bytes_read", "bytes_written", "read_seconds", "write_seconds"}
+    assert old_keys <= s.keys()
+    tier.check_integrity()
+    tier.close()
+
+
 # -- threads -----------------------------------------------------------------------------------------
 
 
-def test_threads_never_see_torn_or_foreign_data(tmp_path):
+def test_threads_never_see_torn_or_foreign_data(tmp_path, direct_io):
     """Blocks i carry the value i*1000 + version everywhere: a read must be one whole version of i."""
-    tier = tier_at(tmp_path / "nvme", capacity=12 * (PAYLOAD + 200), num_io_threads=3)
+    tier = tier_at(tmp_path / "nvme", capacity=12 * FILE, num_io_threads=3, direct_io=direct_io)
     hashes = [h(f"t{i}") for i in range(30)]
     errors: list[str] = []
 

@@ -31,6 +31,7 @@ def test_host_tier_round_trip_and_chain_match():
 
 def test_host_tier_evicts_least_recent_leaf_first():
     t = HostTier(3, SHAPE, torch.float32)
+    t.has_lower_tier = True  # evictions carry their data down
     # the device pool demotes leaf first: a child arrives before its parent
     t.put([b"c", b"b"], [b"b", b"a"], _blocks(3, 2))
     t.put([b"a"], [None], _blocks(1))
@@ -51,6 +52,7 @@ def test_host_tier_refreshes_duplicates_and_keeps_the_root_side_of_a_chain():
     spilled = t.put([b"z", b"y", b"x"], [b"y", b"x", None], _blocks(3, 2, 1))
     assert [e.block_hash for e in spilled] == [b"a", b"z"]
     assert set(t.entries) == {b"y", b"x"} and t.match([b"x", b"y", b"z"]) == 2
+    assert all(e.data is None for e in spilled)  # no tier below: nothing is copied for it
     t.check_integrity()
 
 

@@ -1,5 +1,7 @@
-"""The NVMe tier's file format: a checksummed binary header, then the block's raw tensor bytes.
-Nothing in a tier file is unpickled or executed; `BlockHeader.read` verifies before it trusts."""
+"""The NVMe tier's file format: a checksummed binary header, zero padding to a 4096-byte boundary,
+then the block's raw tensor bytes. The aligned payload lets the tier move a whole file in one
+O_DIRECT read or write. Nothing in a tier file is unpickled or executed; `BlockHeader.parse`
+verifies before it trusts."""
 
 from __future__ import annotations
 
@@ -8,13 +10,18 @@ import zlib
 from dataclasses import dataclass
 
 MAGIC = b"KVSBLOCK"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+ALIGN = 4096  # the payload offset, and the unit of O_DIRECT IO (covers 512- and 4096-byte sectors)
 BLOCK_SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
 MAX_HASH_BYTES = 64
 MAX_HEADER_BYTES = 1 << 16
-_PREFIX = struct.Struct("<8sHI")  # magic, format version, header length (payload offset)
+_PREFIX = struct.Struct("<8sHI")  # magic, format version, header length
 _U8, _U16, _U32, _U64 = (struct.Struct(f) for f in ("<B", "<H", "<I", "<Q"))
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,8 +30,8 @@ class BlockHeader:
 
         off  size  field
         0    8     magic b"KVSBLOCK"
-        8    2     format version (1)
-        10   4     header length L = offset of the payload
+        8    2     format version (2)
+        10   4     header length L
         14   2+n   block hash (u16 length, bytes)
         ..   2+n   parent hash (u16 length, bytes; empty for a first block)
         ..   2+n   layout tag (u16 length, UTF-8)
@@ -33,7 +40,10 @@ class BlockHeader:
         ..   8     payload length
         ..   4     payload CRC-32
         L-4  4     CRC-32 of header bytes [0, L-4)
-        L    ...   payload: the tensor's bytes, C order
+        L    P-L   zero bytes, up to P = payload_offset = round_up(L, 4096)
+        P    ...   payload: the tensor's bytes, C order; the file ends with it
+
+    The head is bytes [0, P): the header and its pad, what `pack` returns and `parse` reads.
     """
 
     block_hash: bytes
@@ -44,7 +54,12 @@ class BlockHeader:
     payload_len: int
     payload_crc: int
 
+    @property
+    def payload_offset(self) -> int:
+        return len(self.pack())
+
     def pack(self) -> bytes:
+        """The head: the header, zero-padded to the payload offset."""
         tag, dtype = self.layout_tag.encode(), self.dtype_name.encode()
         body = b"".join([
             _U16.pack(len(self.block_hash)), self.block_hash,
@@ -54,25 +69,31 @@ class BlockHeader:
             _U8.pack(len(self.shape)), *(_U64.pack(d) for d in self.shape),
             _U64.pack(self.payload_len), _U32.pack(self.payload_crc),
         ])
-        head = _PREFIX.pack(MAGIC, FORMAT_VERSION, _PREFIX.size + len(body) + _U32.size) + body
-        return head + _U32.pack(zlib.crc32(head))
+        header_len = _PREFIX.size + len(body) + _U32.size
+        head = _PREFIX.pack(MAGIC, FORMAT_VERSION, header_len) + body
+        return head + _U32.pack(zlib.crc32(head)) + bytes(round_up(header_len) - header_len)
 
     @classmethod
     def read(cls, f) -> BlockHeader:
-        """Read and verify a header from the start of a file; ValueError if it is not a valid one."""
+        """Read and verify the head at the start of a file, leaving `f` at the payload; ValueError if
+        it is not a valid one."""
         prefix = f.read(_PREFIX.size)
-        if len(prefix) != _PREFIX.size:
+        return cls.parse(prefix + f.read(head_len(prefix) - _PREFIX.size))
+
+    @classmethod
+    def parse(cls, buf) -> BlockHeader:
+        """Verify and decode the head at the start of `buf` (any bytes-like object, e.g. a memoryview
+        of a whole file read into memory); ValueError if it is not a valid one."""
+        view = memoryview(buf).cast("B")
+        header_len = _header_len(view)
+        payload_offset = round_up(header_len)
+        if len(view) < payload_offset:
             raise ValueError("truncated header")
-        magic, version, header_len = _PREFIX.unpack(prefix)
-        if magic != MAGIC or version != FORMAT_VERSION:
-            raise ValueError(f"not a version-{FORMAT_VERSION} block file")
-        if not _PREFIX.size + _U32.size < header_len <= MAX_HEADER_BYTES:
-            raise ValueError(f"bad header length {header_len}")
-        raw = prefix + f.read(header_len - _PREFIX.size)
-        if len(raw) != header_len:
-            raise ValueError("truncated header")
+        raw = view[:header_len].tobytes()
         if zlib.crc32(raw[:-4]) != _U32.unpack_from(raw, header_len - 4)[0]:
             raise ValueError("header checksum mismatch")
+        if view[header_len:payload_offset].tobytes() != bytes(payload_offset - header_len):
+            raise ValueError("nonzero bytes between the header and the payload")
         pos = _PREFIX.size
 
         def take(fmt: struct.Struct) -> int:
@@ -99,3 +120,20 @@ class BlockHeader:
         if pos != header_len - 4:
             raise ValueError("header length disagrees with its fields")
         return header
+
+
+def head_len(buf) -> int:
+    """The payload offset, from the fixed prefix at the start of `buf` (its first 14 bytes will do)."""
+    return round_up(_header_len(buf))
+
+
+def _header_len(buf) -> int:
+    """The header length from the fixed prefix at the start of `buf`, checked for magic, version and range."""
+    if len(buf) < _PREFIX.size:
+        raise ValueError("truncated header")
+    magic, version, header_len = _PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise ValueError(f"not a version-{FORMAT_VERSION} block file")
+    if not _PREFIX.size + _U32.size < header_len <= MAX_HEADER_BYTES:
+        raise ValueError(f"bad header length {header_len}")
+    return header_len

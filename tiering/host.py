@@ -22,6 +22,7 @@ class HostEntry:
     slot: int
     parent_hash: bytes | None
     last_access: int
+    hits: int = 0  # reuses so far, carried from the tier above (the admission policy's signal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +31,8 @@ class Evicted:
 
     block_hash: bytes
     parent_hash: bytes | None
-    data: torch.Tensor  # one block, contiguous, on the CPU
+    data: torch.Tensor | None  # one block, contiguous, on the CPU; None when no tier below wants it
+    hits: int = 0
 
 
 class HostTier:
@@ -48,9 +50,10 @@ class HostTier:
         self._tick = 0
         self.puts = self.evictions = 0
         # pinned blocks (prompt-cache breakpoints): never evicted from here unless a lower tier
-        # takes them (`spill_pinned`); replaced as a whole by the tier manager
+        # takes them; replaced as a whole by the tier manager
         self.pinned: frozenset[bytes] = frozenset()
-        self.spill_pinned = False
+        # with a tier below, evictions carry their data down (a copy) and pinned blocks may leave
+        self.has_lower_tier = False
 
     @property
     def block_bytes(self) -> int:
@@ -70,16 +73,19 @@ class HostTier:
         return n
 
     def put(self, hashes: list[bytes], parents: list[bytes | None], data: torch.Tensor | None = None,
-            fill: Callable[[list[int], list[int]], None] | None = None) -> list[Evicted]:
+            fill: Callable[[list[int], list[int]], None] | None = None,
+            hits: list[int] | None = None) -> list[Evicted]:
         """Store blocks, oldest first: their data as a tensor [n, *block_shape], or through
         fill(rows, slots), which copies those source rows into those slots (straight from the
-        device pool, one pass). Returns what had to be evicted to make room, for the tier below.
-        Hashes already here are refreshed, not stored twice."""
+        device pool, one pass); `hits` gives each block's reuse count. Returns what had to be
+        evicted to make room, for the tier below. Hashes already here are refreshed, not stored twice."""
         evicted: list[Evicted] = []
         rows, slots = [], []
         for i, (h, parent) in enumerate(zip(hashes, parents)):
+            n = hits[i] if hits is not None else 0
             entry = self.entries.get(h)
             if entry is not None:
+                entry.hits = max(entry.hits, n)
                 self._touch(h, entry)
                 continue
             if not self.free_slots:
@@ -88,7 +94,7 @@ class HostTier:
                     break  # everything left is a parent of what is being stored; keep the chain's root
                 evicted.append(victim)
             slot = self.free_slots.pop()
-            self.entries[h] = HostEntry(slot, parent, self._next_tick())
+            self.entries[h] = HostEntry(slot, parent, self._next_tick(), n)
             if parent is not None:
                 self._kids[parent] = self._kids.get(parent, 0) + 1
             if not self._kids.get(h):
@@ -158,10 +164,11 @@ class HostTier:
             entry = self.entries.get(h)
             if entry is None or entry.last_access != tick or self._kids.get(h):
                 continue  # stale
-            if h in protect or (not self.spill_pinned and h in self.pinned):
+            if h in protect or (not self.has_lower_tier and h in self.pinned):
                 skipped.append((tick, h))
                 continue
-            victim = Evicted(h, entry.parent_hash, self.storage[entry.slot].clone())
+            data = self.storage[entry.slot].clone() if self.has_lower_tier else None
+            victim = Evicted(h, entry.parent_hash, data, entry.hits)
             self._remove(h)
             self.evictions += 1
             break

@@ -7,6 +7,10 @@
 - Demotion: when the device pool reuses cached blocks, their data is gathered in one copy into DRAM,
   and whatever DRAM evicts to make room is written to NVMe. DRAM and the device are exclusive (a block
   is promoted out of DRAM); NVMe is inclusive, so a warm NVMe tier survives a restart.
+- Admission: every block the device pool evicts is copied into DRAM (a memcpy is cheap, and DRAM is
+  where a conversation's newest blocks wait for its next turn). A disk write costs bandwidth and
+  wear, so once NVMe is full, a DRAM eviction is written there only if it earned it (see
+  `AdmissionPolicy`): a block that displaces another must have been asked for twice.
 - Lookup: a request's chain continues from the device into DRAM, then NVMe. Blocks in DRAM are
   promoted (one scatter) when the request is admitted. Blocks only on NVMe are first loaded into
   DRAM by the tier's IO threads while the request waits; a failed read (a corrupt file) ends the
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
@@ -25,6 +30,35 @@ import torch
 
 from kvstrata.tiering.host import HostTier
 from kvstrata.worker.kv_cache_manager import SWAP_PREFIX
+from kvstrata.worker.prefix_cache import EvictedBlock
+
+ADMISSION_MODES = ("reuse", "all")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionPolicy:
+    """Which blocks leaving DRAM are written to NVMe.
+
+    `all`: every one. `reuse` (the default): every one while NVMe has room; once it is full (the
+    steady state of a long-running server, where each write evicts an older block), only blocks that
+    were asked for twice, and pinned ones. Asked for twice means reused (a prefix hit in any tier),
+    or computed a second time after a miss: without the second case, a conversation whose newest
+    blocks missed once would recompute them forever without ever earning its place on disk.
+    Reuse predicts reuse: a one-shot prompt's blocks then cannot push a conversation's history or a
+    shared system prompt off the disk, and access that cycles through more than the disk holds does
+    not turn LRU into a miss on every block. A reuse is a hit on the block's whole prefix, so the rule
+    does not keep a chain's tail without its head. `kvstrata bench tiering --admission-study`
+    measures both modes.
+    """
+
+    mode: str = "reuse"
+
+    def __post_init__(self):
+        if self.mode not in ADMISSION_MODES:
+            raise ValueError(f"nvme_admission must be one of {', '.join(ADMISSION_MODES)}, got {self.mode!r}")
+
+    def admits(self, hits: int, times_computed: int, pinned: bool, disk_full: bool) -> bool:
+        return self.mode == "all" or pinned or not disk_full or hits > 0 or times_computed > 1
 
 
 @dataclass
@@ -49,6 +83,7 @@ class TierCounters:
     swapped_in_blocks: int = 0
     swap_fallbacks: int = 0  # swaps whose blocks DRAM could not keep: recomputed instead
     spill_drops: int = 0  # DRAM evictions not written to NVMe because too many writes were queued
+    admission_rejects: int = 0  # DRAM evictions the admission policy kept off a full NVMe tier
 
 
 def block_shape(kv_cache: torch.Tensor) -> tuple[int, ...]:
@@ -59,14 +94,21 @@ def block_shape(kv_cache: torch.Tensor) -> tuple[int, ...]:
 
 class TierManager:
     def __init__(self, kv_cache: torch.Tensor, host: HostTier, nvme=None, max_load_blocks: int | None = None,
-                 pin_quota_blocks: int | None = None, clock=time.monotonic):
+                 pin_quota_blocks: int | None = None, admission: AdmissionPolicy | None = None,
+                 clock=time.monotonic):
         self.kv_cache = kv_cache
         self.host = host
         self.nvme = nvme
-        host.spill_pinned = nvme is not None
+        self.admission = admission or AdmissionPolicy()
+        # how many times each recently computed block hash was computed (a bounded, oldest-first
+        # record): the admission policy's evidence of a block that missed and was asked for again
+        self._computed: OrderedDict[bytes, int] = OrderedDict()
+        nvme_blocks = nvme.capacity_bytes // nvme.file_bytes if nvme is not None else 0
+        self.max_tracked_hashes = 4 * (host.num_blocks + nvme_blocks)
+        host.has_lower_tier = nvme is not None
         # pins: block hash -> (expiry, tenant). Pinned blocks may move down but are never dropped,
         # so all pins together must fit the lowest tier: half of it, and a quota per tenant
-        bottom = nvme.capacity_bytes // host.block_bytes if nvme is not None else host.num_blocks
+        bottom = nvme_blocks or host.num_blocks
         self.max_pinned_blocks = max(1, bottom // 2)
         self.pin_quota_blocks = min(pin_quota_blocks or self.max_pinned_blocks, self.max_pinned_blocks)
         self.pins: dict[bytes, tuple[float, str]] = {}
@@ -88,28 +130,30 @@ class TierManager:
         self.counters = TierCounters()
 
     # -- device -> DRAM -> NVMe ------------------------------------------------------------------
-    def demote(self, evicted: list[tuple[int, bytes, bytes | None]]) -> None:
-        """Keep device blocks the pool is about to reuse: (block_id, hash, parent hash), leaf first."""
+    def demote(self, evicted: list[EvictedBlock]) -> None:
+        """Keep device blocks the pool is about to reuse, leaf first."""
         if not evicted:
             return
         t0 = time.perf_counter()
-        spilled = self._put_from_pool([e[1] for e in evicted], [e[2] for e in evicted], [e[0] for e in evicted])
+        spilled = self._put_from_pool([e.block_hash for e in evicted], [e.parent_hash for e in evicted],
+                                      [e.block_id for e in evicted], [e.hits for e in evicted])
         c = self.counters
         c.demoted_blocks += len(evicted)
         c.demote_bytes += len(evicted) * self.host.block_bytes
         c.demote_seconds += time.perf_counter() - t0
         self._spill(spilled)
 
-    def _put_from_pool(self, keys: list[bytes], parents: list[bytes | None], block_ids: list[int]) -> list:
+    def _put_from_pool(self, keys: list[bytes], parents: list[bytes | None], block_ids: list[int],
+                       hits: list[int] | None = None) -> list:
         """Store pool blocks in DRAM under keys: with the CPU kernel, one pass straight into the
         tier's slots; otherwise a gather, then a copy (to pinned memory, on CUDA)."""
         if self.kernels is not None:
             def fill(rows: list[int], slots: list[int]) -> None:
                 self.kernels.copy_blocks(self.kv_cache, 2, [block_ids[r] for r in rows], self.host.storage, 0, slots)
-            return self.host.put(keys, parents, fill=fill)
+            return self.host.put(keys, parents, fill=fill, hits=hits)
         ids = torch.tensor(block_ids, device=self.kv_cache.device)
         data = self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).to("cpu")
-        return self.host.put(keys, parents, data)
+        return self.host.put(keys, parents, data, hits=hits)
 
     # -- pins (prompt-cache breakpoints with a TTL) -------------------------------------------------
     def pin(self, hashes: list[bytes], ttl_s: float, tenant: str) -> None:
@@ -174,8 +218,20 @@ class TierManager:
         c.swapped_out_blocks += len(keys)
         return True
 
+    def note_computed(self, hashes: list[bytes]) -> None:
+        """Blocks a request has just computed (and cached): the admission policy counts them."""
+        seen = self._computed
+        for h in hashes:
+            seen[h] = seen.pop(h, 0) + 1
+        while len(seen) > self.max_tracked_hashes:
+            seen.popitem(last=False)
+
     def has_all(self, keys: list[bytes]) -> bool:
         return all(k in self.host for k in keys)
+
+    def hits(self, keys: list[bytes]) -> list[int]:
+        """The reuse counts DRAM holds for these blocks (all must be there)."""
+        return [self.host.entries[k].hits for k in keys]
 
     def discard(self, keys: list[bytes]) -> None:
         self.host.discard(keys)
@@ -184,10 +240,18 @@ class TierManager:
         """Blocks DRAM evicted go to NVMe; swap blocks (private keys) are not worth a disk write."""
         if self.nvme is None:
             return
+        nvme = self.nvme
         for ev in spilled:
             if ev.block_hash.startswith(SWAP_PREFIX):
                 continue
-            if self.nvme.num_pending_writes >= self.max_pending_writes and ev.block_hash not in self.pins:
+            pinned = ev.block_hash in self.pins
+            pending = nvme.num_pending_writes
+            disk_full = nvme.used_bytes + (pending + 1) * nvme.file_bytes > nvme.capacity_bytes
+            times_computed = self._computed.get(ev.block_hash, 0)
+            if not self.admission.admits(ev.hits, times_computed, pinned, disk_full) and ev.block_hash not in nvme:
+                self.counters.admission_rejects += 1
+                continue
+            if pending >= self.max_pending_writes and not pinned:
                 self.counters.spill_drops += 1  # the disk is behind: drop rather than queue without bound
                 continue
             self.nvme.put(ev.block_hash, ev.parent_hash, ev.data)
@@ -238,7 +302,8 @@ class TierManager:
             self.counters.failed_loads += len(blocks) - good
             if good:
                 data = torch.stack(blocks[:good])
-                self._spill(self.host.put(load.hashes[:good], load.parents[:good], data))
+                # a block read back from NVMe is being reused: it counts one hit
+                self._spill(self.host.put(load.hashes[:good], load.parents[:good], data, hits=[1] * good))
                 self.counters.loaded_from_nvme += good
         self.loads = still
 
@@ -313,6 +378,7 @@ class TierManager:
         }
         if self.nvme is not None:
             out["nvme"] = {**self.nvme.stats(), "spilled_blocks": c.spilled_to_nvme, "spill_drops": c.spill_drops,
+                           "admission": self.admission.mode, "admission_rejects": c.admission_rejects,
                            "loaded_blocks": c.loaded_from_nvme, "failed_loads": c.failed_loads,
                            "loads_in_flight": len(self.loading)}
         return out

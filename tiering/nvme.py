@@ -1,8 +1,11 @@
 """The NVMe tier: KV blocks as checksummed files on a local disk, below the DRAM tier.
 
-One file per block, `<dir>/<hh>/<hash-hex>.kvb`, holding a struct header and the raw bytes of the
-tensor; nothing in a tier file is unpickled or executed. A write goes to a 0600 temp file in the
-same folder and is renamed into place, so a crashed process leaves either no file or a whole one.
+One file per block, `<dir>/<hh>/<hash-hex>.kvb`, holding a struct header and, at a 4096-byte
+offset, the raw bytes of the tensor; nothing in a tier file is unpickled or executed. Files move in
+one O_DIRECT read or write each where the file system allows it, so blocks skip the page cache
+(the DRAM tier above already caches them) and IO runs at the disk's speed. A write goes to a 0600
+temp file in the same folder and is renamed into place, so a crashed process leaves either no file
+or a whole one.
 Every read checks the header, the block's identity, the layout and a CRC-32 of the payload, and
 anything wrong reads as a miss and drops the file. The index (hash -> size, parent, recency) lives
 in memory under one lock, is rebuilt from headers alone on open, and evicts least-recently-used
@@ -16,24 +19,32 @@ import heapq
 import math
 import operator
 import os
-import tempfile
 import threading
-import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy
 import torch
 
-from kvstrata.tiering.block_file import BLOCK_SUFFIX, MAX_HASH_BYTES, TEMP_SUFFIX, BlockHeader
+from kvstrata.tiering.block_file import (
+    ALIGN,
+    BLOCK_SUFFIX,
+    MAX_HASH_BYTES,
+    TEMP_SUFFIX,
+    BlockHeader,
+    head_len,
+    round_up,
+)
+from kvstrata.tiering.disk_io import O_DIRECT, BusyClock, aligned_buffer, supports_direct_io, unlink
 
 
 @dataclass(slots=True, eq=False)
 class _Entry:
     parent_hash: bytes | None
-    size_bytes: int  # the whole file: header + payload
+    size_bytes: int  # the whole file: header + pad + payload
     last_access: int
 
 
@@ -57,9 +68,11 @@ class _Counters:
     checksum_failures: int = 0  # every bad file met by a read: checksum, header, identity, layout, length, IO
     dropped_at_open: int = 0  # temp files and bad files removed while rebuilding the index
     foreign_files: int = 0  # valid files of another layout found at open, left in place
+    # bytes count hits and stored blocks; seconds are summed over the IO threads and count every
+    # read and write they did, bad files and writes discarded in flight included
     bytes_read: int = 0
     bytes_written: int = 0
-    read_seconds: float = 0.0  # summed over the IO threads
+    read_seconds: float = 0.0
     write_seconds: float = 0.0
 
 
@@ -67,13 +80,6 @@ def _done(value) -> Future:
     future: Future = Future()
     future.set_result(value)
     return future
-
-
-def _unlink(path: str | Path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:  # already gone, or not ours to remove (a directory): the index forgets it either way
-        pass
 
 
 class NvmeTier:
@@ -84,10 +90,15 @@ class NvmeTier:
     unlink happens under `_lock`, so a path is never replaced or removed behind an index decision.
     One tier owns its directory (an flock on `<dir>/.lock`). Files of another layout (tag, dtype,
     shape) are foreign: never returned, not counted, and left in place.
+
+    direct_io: None probes the directory at open and uses O_DIRECT where it works; True requires
+    it (ValueError if the directory cannot); False goes through the page cache. The file format
+    is the same either way, so a directory can be reopened in either mode.
     """
 
     def __init__(self, directory: str | Path, capacity_bytes: int, block_shape: tuple[int, ...],
-                 dtype: torch.dtype, layout_tag: str = "", num_io_threads: int = 2):
+                 dtype: torch.dtype, layout_tag: str = "", num_io_threads: int = 2,
+                 direct_io: bool | None = None):
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         try:
@@ -102,6 +113,8 @@ class NvmeTier:
             raise ValueError("layout_tag must encode to at most 65535 bytes")
         if num_io_threads <= 0:
             raise ValueError(f"num_io_threads must be positive, got {num_io_threads}")
+        if direct_io not in (None, True, False):
+            raise ValueError(f"direct_io must be None, True or False, got {direct_io!r}")
         self.directory = Path(directory)
         self.capacity_bytes = capacity_bytes
         self.block_shape = shape
@@ -121,6 +134,9 @@ class NvmeTier:
         self._used_bytes = 0
         self._tick = 0
         self._counters = _Counters()
+        self._read_clock = BusyClock()
+        self._write_clock = BusyClock()
+        self._thread_local = threading.local()  # each IO thread's staging buffer
         self._closed = False
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock_fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -130,6 +146,11 @@ class NvmeTier:
             os.close(self._lock_fd)
             raise RuntimeError(f"{self.directory} is already open in another NvmeTier") from None
         try:
+            supported = direct_io is not False and supports_direct_io(self.directory)
+            if direct_io and not supported:
+                raise ValueError(f"direct_io=True, but {self.directory} does not support O_DIRECT")
+            self.direct_io = supported
+            self._o_direct = O_DIRECT if supported else 0
             self._load_index()
         except BaseException:
             os.close(self._lock_fd)
@@ -161,6 +182,11 @@ class NvmeTier:
             found = self._entries.get(block_hash) or self._pending.get(block_hash)
             return found.parent_hash if found is not None else None
 
+    @property
+    def file_bytes(self) -> int:
+        """What one block (with a 32-byte hash and parent) takes against the capacity."""
+        return self._file_size(bytes(32), bytes(32))
+
     def _file_size(self, block_hash: bytes, parent_hash: bytes | None) -> int:
         """Bytes a block's file takes on disk, and against the capacity."""
         header = BlockHeader(block_hash, parent_hash or b"", self.layout_tag, self._dtype_name,
@@ -171,7 +197,9 @@ class NvmeTier:
         with self._lock:
             return {"blocks": len(self._entries), "used_bytes": self._used_bytes,
                     "capacity_bytes": self.capacity_bytes, "pending_writes": len(self._pending),
-                    **asdict(self._counters)}
+                    "direct_io": self.direct_io, **asdict(self._counters),
+                    "read_busy_seconds": self._read_clock.seconds,
+                    "write_busy_seconds": self._write_clock.seconds}
 
     # -- writes ------------------------------------------------------------------------------
     def put(self, block_hash: bytes, parent_hash: bytes | None, data: torch.Tensor) -> Future:
@@ -307,54 +335,65 @@ class NvmeTier:
             out[i] = self._read(block_hash, entry, touch=False)
 
     def _read(self, block_hash: bytes, entry: _Entry, touch: bool = True) -> torch.Tensor | None:
-        start = time.perf_counter()
+        start = self._read_clock.begin()
         try:
-            data = self._read_file(block_hash)
+            data = self._read_file(block_hash, entry.size_bytes)
         except (OSError, ValueError):
-            with self._lock:
+            data = None
+        finally:
+            seconds = self._read_clock.end() - start
+        with self._lock:
+            self._counters.read_seconds += seconds
+            if data is None:
                 self._counters.misses += 1
                 if self._entries.get(block_hash) is entry:  # still our file, so the file is bad
                     self._drop(block_hash)
                     self._counters.checksum_failures += 1
                 # else: evicted or discarded while we read; an ordinary miss
-            return None
-        with self._lock:
+                return None
             self._counters.hits += 1
             self._counters.bytes_read += entry.size_bytes
-            self._counters.read_seconds += time.perf_counter() - start
             if touch and self._entries.get(block_hash) is entry:
                 self._touch(block_hash, entry)
         return data
 
-    def _read_file(self, block_hash: bytes) -> torch.Tensor:
-        with open(self._path(block_hash), "rb") as f:
-            header = BlockHeader.read(f)
-            if header.block_hash != block_hash:
-                raise ValueError("identity mismatch: the file holds another block")
-            if not self._is_our_layout(header):
-                raise ValueError("layout mismatch")
-            buf = torch.empty(self.payload_bytes, dtype=torch.uint8)  # [payload_bytes]
-            if f.readinto(memoryview(buf.numpy())) != self.payload_bytes or f.read(1):
-                raise ValueError("payload length mismatch")
-        if zlib.crc32(buf.numpy()) != header.payload_crc:
+    def _read_file(self, block_hash: bytes, size: int) -> torch.Tensor:
+        """The whole file in one read into a fresh aligned buffer; the block is a view of its payload.
+
+            buf: [ header | 0 pad | payload      | (read slack) ]
+                 0        L       P              size           round_up(size)
+        """
+        fd = os.open(self._path(block_hash), os.O_RDONLY | self._o_direct)
+        try:
+            if os.fstat(fd).st_size != size:  # checked first, so a padded file allocates nothing
+                raise ValueError("file size disagrees with the index")
+            buf = aligned_buffer(round_up(size))  # [round_up(size)]
+            if os.preadv(fd, [memoryview(buf.numpy())], 0) != size:
+                raise ValueError("short read")
+        finally:
+            os.close(fd)
+        header = BlockHeader.parse(memoryview(buf.numpy()))
+        if header.block_hash != block_hash:
+            raise ValueError("identity mismatch: the file holds another block")
+        if not self._is_our_layout(header):
+            raise ValueError("layout mismatch")
+        offset = header.payload_offset
+        if size != offset + header.payload_len:
+            raise ValueError("payload length mismatch")
+        payload = buf[offset:size]  # [payload_bytes]
+        if zlib.crc32(payload.numpy()) != header.payload_crc:
             raise ValueError("payload checksum mismatch")
-        return buf.view(self.dtype).view(self.block_shape)
+        return payload.view(self.dtype).view(self.block_shape)
 
     # -- the write path (IO threads) ---------------------------------------------------------
     def _write(self, p: _PendingWrite) -> bool:
-        start = time.perf_counter()
+        start = self._write_clock.begin()
         path = self._path(p.block_hash)
         tmp: str | None = None
         io_ok = True
         try:
-            payload = p.data.detach().contiguous().view(-1).view(torch.uint8).numpy()  # [payload_bytes]
-            header = BlockHeader(p.block_hash, p.parent_hash or b"", self.layout_tag, self._dtype_name,
-                                 self.block_shape, self.payload_bytes, zlib.crc32(payload)).pack()
             path.parent.mkdir(mode=0o700, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".", suffix=TEMP_SUFFIX, dir=path.parent)  # mode 0600
-            with os.fdopen(fd, "wb") as f:
-                f.write(header)
-                f.write(payload)
+            tmp = self._write_temp(p, path.parent)
             # no fsync: rename covers process crashes, and a file torn by power loss fails its
             # length or checksum check and reads as a miss, which a cache can afford
         except Exception:  # noqa: BLE001 - any failure must still clear the pending write below
@@ -371,16 +410,53 @@ class NvmeTier:
                 io_ok = False
             finally:
                 if tmp is not None:
-                    _unlink(tmp)
+                    unlink(tmp)
                 if self._pending.get(p.block_hash) is p:
                     del self._pending[p.block_hash]
                 self._inflight_writes.discard(p.future)
                 if stored:
                     self._counters.writes += 1
                     self._counters.bytes_written += p.size_bytes
-                    self._counters.write_seconds += time.perf_counter() - start
+                self._counters.write_seconds += self._write_clock.end() - start
                 self._counters.write_failures += not io_ok
         return stored
+
+    def _write_temp(self, p: _PendingWrite, folder: Path) -> str:
+        """The block's whole file, staged in this thread's aligned buffer and written to a new temp
+        file in `folder` with one write; returns the temp file's path.
+
+            staging: [ header | 0 pad | payload         | 0 tail ]   ftruncate drops the tail
+                     0        L       P                 size      round_up(size)
+        """
+        offset = p.size_bytes - self.payload_bytes  # P: the head is the header and its pad
+        staging = self._staging(round_up(p.size_bytes))  # [round_up(size)]
+        payload = staging[offset:p.size_bytes]  # [payload_bytes]
+        # numpy's copy is one memcpy without the GIL; torch's would start an OpenMP team in each IO thread
+        numpy.copyto(payload.numpy(), p.data.detach().contiguous().view(-1).view(torch.uint8).numpy())
+        staging[p.size_bytes:].zero_()  # the last write's bytes must not reach this file, even briefly
+        view = memoryview(staging.numpy())
+        # the CRC is of the staged bytes, so a caller changing `data` meanwhile cannot tear the file
+        view[:offset] = BlockHeader(p.block_hash, p.parent_hash or b"", self.layout_tag, self._dtype_name,
+                                    self.block_shape, self.payload_bytes, zlib.crc32(payload.numpy())).pack()
+        tmp = str(folder / f".{os.urandom(8).hex()}{TEMP_SUFFIX}")  # `.*.tmp`: what the rebuild sweeps
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._o_direct, 0o600)
+        try:
+            if os.write(fd, view) != len(view):
+                raise OSError("short write")
+            os.ftruncate(fd, p.size_bytes)
+        except BaseException:
+            unlink(tmp)
+            raise
+        finally:
+            os.close(fd)
+        return tmp
+
+    def _staging(self, n: int) -> torch.Tensor:
+        """This IO thread's aligned staging buffer, grown to at least n bytes and reused after."""
+        staging = getattr(self._thread_local, "staging", None)
+        if staging is None or staging.numel() < n:
+            staging = self._thread_local.staging = aligned_buffer(n)
+        return staging[:n]  # [n]
 
     # -- the index (callers hold the lock) ---------------------------------------------------
     def _insert(self, block_hash: bytes, parent_hash: bytes | None, size: int, tick: int) -> None:
@@ -396,7 +472,7 @@ class NvmeTier:
         """Remove a block from the index and its file from disk; its parent may become a leaf."""
         entry = self._entries.pop(block_hash)
         self._used_bytes -= entry.size_bytes
-        _unlink(self._path(block_hash))
+        unlink(self._path(block_hash))
         parent_hash = entry.parent_hash
         if parent_hash is not None:
             siblings = self._parent_to_children[parent_hash]
@@ -479,32 +555,44 @@ class NvmeTier:
     def _inspect(self, f: os.DirEntry) -> BlockHeader | None:
         """The header of one of our whole, correctly named files; None if foreign; ValueError if bad."""
         try:
-            with open(f.path, "rb") as fh:
-                header = BlockHeader.read(fh)
-                size = os.fstat(fh.fileno()).st_size
-                payload_offset = fh.tell()
+            header, size = self._read_head(f.path)
         except OSError as e:
             raise ValueError(str(e)) from None
         if not self._is_our_layout(header):
             return None
         if Path(f.path) != self._path(header.block_hash) or header.parent_hash == header.block_hash:
             raise ValueError("file name disagrees with the block it holds")
-        if size != payload_offset + header.payload_len:
+        if size != header.payload_offset + header.payload_len:
             raise ValueError("truncated or padded payload")
         return header
+
+    def _read_head(self, path: str) -> tuple[BlockHeader, int]:
+        """A file's verified header and its size, reading the head alone, so that an open in direct
+        mode brings neither payloads nor readahead into the page cache."""
+        fd = os.open(path, os.O_RDONLY | self._o_direct)
+        try:
+            size = os.fstat(fd).st_size
+            buf = aligned_buffer(ALIGN)  # [ALIGN]: a whole head unless the layout tag is long
+            n = os.preadv(fd, [memoryview(buf.numpy())], 0)
+            if n == ALIGN and head_len(buf.numpy()) > ALIGN:
+                buf = aligned_buffer(head_len(buf.numpy()))  # [head_len]
+                n = os.preadv(fd, [memoryview(buf.numpy())], 0)
+        finally:
+            os.close(fd)
+        return BlockHeader.parse(memoryview(buf.numpy())[:n]), size
 
     def _load_index(self) -> None:
         """Rebuild the index from headers: recency from mtime, bad and temp files removed."""
         blocks, temps = self._block_files()
         for f in temps:  # a crashed writer's; this tier owns the directory, so no live writer's
-            _unlink(f.path)
+            unlink(f.path)
         self._counters.dropped_at_open += len(temps)
         found = []  # (mtime_ns, hash, parent, size)
         for f in blocks:
             try:
                 header = self._inspect(f)
             except ValueError:
-                _unlink(f.path)
+                unlink(f.path)
                 self._counters.dropped_at_open += 1
                 continue
             if header is None:

@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from kvstrata.worker.prefix_cache import KVBlock, PrefixCache
+from kvstrata.worker.prefix_cache import EvictedBlock, KVBlock, PrefixCache
 
-# (block id, block hash, parent's hash) of cached blocks about to be reused, leaf first
-EvictHook = Callable[[list[tuple[int, bytes, "bytes | None"]]], None]
+# called with the cached blocks an allocation is about to reuse, leaf first
+EvictHook = Callable[[list[EvictedBlock]], None]
 
 
 class BlockPool:
@@ -58,7 +58,7 @@ class BlockPool:
         if not self.can_allocate(num_blocks):
             raise MemoryError(f"cannot allocate {num_blocks} blocks: {self.num_free_blocks} free")
         out = []
-        evicted: list[tuple[int, bytes, bytes | None]] = []
+        evicted: list[EvictedBlock] = []
         for _ in range(num_blocks):
             if self.free_ids:
                 block = self.blocks[self.free_ids.popleft()]

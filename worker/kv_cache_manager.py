@@ -118,6 +118,8 @@ class KVCacheManager:
             return False
         if computed.blocks:
             self.pool.touch(computed.blocks)
+            for block in computed.blocks:
+                block.hits += 1
             request.block_table.extend(computed.blocks)
         if num_promoted:
             self._promote(request, list(computed.tier_hashes))
@@ -132,13 +134,15 @@ class KVCacheManager:
 
     def _promote(self, request: Request, hashes: list[bytes]) -> None:
         """Bring blocks from DRAM into fresh device blocks and cache them, continuing the chain."""
+        hits = self.tiers.hits(hashes)
         blocks = self.tiers.bring_back(hashes, self.pool.allocate)
         parent = request.block_table[-1] if request.block_table else None
-        for block, h in zip(blocks, hashes):
+        for block, h, n in zip(blocks, hashes, hits):
             cached = self.pool.cache(block, h, parent)
             if cached is not block:  # computed meanwhile by another request: share that one
                 self.pool.touch([cached])
                 self.pool.free([block])
+            cached.hits += n + 1  # this promotion is a hit too
             request.block_table.append(cached)
             parent = cached
 
@@ -156,8 +160,9 @@ class KVCacheManager:
         self.pool.free([old])
         request.block_table[idx] = new
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Offer the request's newly computed full blocks to the prefix cache."""
+    def cache_full_blocks(self, request: Request, computed: bool = True) -> None:
+        """Offer the request's newly computed full blocks (or, with computed False, swapped-in
+        ones) to the prefix cache."""
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
@@ -178,6 +183,8 @@ class KVCacheManager:
                 self.pool.free([block])
                 request.block_table[i] = cached
             parent = cached
+        if computed and self.tiers is not None:
+            self.tiers.note_computed(request.block_hashes[first:num_full])
         request.num_registered_blocks = num_full
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -232,7 +239,7 @@ class KVCacheManager:
         request.swapped = None
         if num_new_blocks:
             request.block_table.extend(self.pool.allocate(num_new_blocks))
-        self.cache_full_blocks(request)  # its full blocks join the prefix cache again (or share it)
+        self.cache_full_blocks(request, computed=False)  # its full blocks join the prefix cache again
         return True
 
     def reset_prefix_cache(self) -> int:

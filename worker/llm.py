@@ -26,10 +26,11 @@ class LLM:
                  seed: int = 0, enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 128, kv_cache_bytes: int | None = None, cpu_kv_bytes: int | None = None,
                  nvme_kv_dir: str | None = None, nvme_kv_bytes: int | None = None,
-                 pin_quota_bytes: int | None = None):
+                 pin_quota_bytes: int | None = None, nvme_admission: str = "reuse"):
         """cpu_kv_bytes adds a DRAM tier under the device pool, and nvme_kv_dir (with nvme_kv_bytes)
         an NVMe tier under that: blocks the pool evicts are kept there and promoted back on a hit.
-        pin_quota_bytes caps one tenant's prompt-cache pins (default: all pins' limit, half the lowest tier)."""
+        pin_quota_bytes caps one tenant's prompt-cache pins (default: all pins' limit, half the lowest tier).
+        nvme_admission: "reuse" (a full NVMe tier takes only reused, shallow or pinned blocks) or "all"."""
         _check_positive("block_size", block_size)
         if num_gpu_blocks is not None:
             _check_positive("num_gpu_blocks", num_gpu_blocks)
@@ -38,6 +39,9 @@ class LLM:
         _check_positive("max_num_batched_tokens", max_num_batched_tokens)
         _check_positive("max_num_seqs", max_num_seqs)
         _check_tier_args(cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes)
+        from kvstrata.tiering.manager import AdmissionPolicy
+
+        admission = AdmissionPolicy(nvme_admission)  # ValueError naming nvme_admission
         if pin_quota_bytes is not None:
             _check_positive("pin_quota_bytes", pin_quota_bytes)
             if cpu_kv_bytes is None:
@@ -61,7 +65,7 @@ class LLM:
         )
         if cpu_kv_bytes is not None:
             tiers = _build_tiers(runner, block_bytes, cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes,
-                                 f"{self.model_id}/{loaded.model.dtype}/bs{block_size}")
+                                 f"{self.model_id}/{loaded.model.dtype}/bs{block_size}", admission)
             if pin_quota_bytes is not None:
                 tiers.pin_quota_blocks = min(max(1, pin_quota_bytes // block_bytes), tiers.max_pinned_blocks)
             kv.attach_tiers(tiers)
@@ -173,7 +177,7 @@ def _check_tier_args(cpu_kv_bytes: int | None, nvme_kv_dir: str | None, nvme_kv_
 
 
 def _build_tiers(runner: ModelRunner, block_bytes: int, cpu_kv_bytes: int, nvme_kv_dir: str | None,
-                 nvme_kv_bytes: int | None, layout_tag: str):
+                 nvme_kv_bytes: int | None, layout_tag: str, admission):
     from kvstrata.tiering.host import HostTier
     from kvstrata.tiering.manager import TierManager, block_shape
 
@@ -187,7 +191,7 @@ def _build_tiers(runner: ModelRunner, block_bytes: int, cpu_kv_bytes: int, nvme_
         from kvstrata.tiering.nvme import NvmeTier
 
         nvme = NvmeTier(nvme_kv_dir, nvme_kv_bytes, shape, dtype, layout_tag=layout_tag)
-    return TierManager(runner.kv_cache, host, nvme)
+    return TierManager(runner.kv_cache, host, nvme, admission=admission)
 
 
 def _kv_budget(device: torch.device, kv_cache_bytes: int | None) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass(slots=True, eq=False)
@@ -27,6 +28,7 @@ class KVBlock:
     parent: KVBlock | None = None
     children: dict[bytes, KVBlock] = field(default_factory=dict)
     last_access: int = 0
+    hits: int = 0  # later requests that reused it (in any tier), while cached
 
     @property
     def is_cached(self) -> bool:
@@ -35,6 +37,15 @@ class KVBlock:
     @property
     def is_evictable(self) -> bool:
         return self.ref_count == 0 and self.block_hash is not None and not self.children
+
+
+class EvictedBlock(NamedTuple):
+    """A cached block leaving the tree: what a lower tier needs to keep it and judge its worth."""
+
+    block_id: int
+    block_hash: bytes
+    parent_hash: bytes | None
+    hits: int
 
 
 class PrefixCache:
@@ -81,6 +92,7 @@ class PrefixCache:
         del self._id_to_block[block.block_id]
         block.block_hash = None
         block.parent = None
+        block.hits = 0
         if parent is not None and parent.is_evictable:
             self.push_leaf(parent)
 
@@ -91,14 +103,14 @@ class PrefixCache:
 
     def pop_lru_leaf(self, record: list | None = None) -> KVBlock | None:
         """The least-recently-used evictable leaf, removed from the tree; None if there is none.
-        With `record`, appends (block id, hash, parent's hash) of the removed block to it."""
+        With `record`, appends the removed block's EvictedBlock to it."""
         while self._leaf_heap:
             tick, block_id = heapq.heappop(self._leaf_heap)
             block = self._id_to_block.get(block_id)
             if block is not None and block.is_evictable and block.last_access == tick:
                 if record is not None:
                     parent_hash = block.parent.block_hash if block.parent is not None else None
-                    record.append((block.block_id, block.block_hash, parent_hash))
+                    record.append(EvictedBlock(block.block_id, block.block_hash, parent_hash, block.hits))
                 self.remove(block)
                 return block
         return None

@@ -7,18 +7,25 @@ new user message, and is submitted alone once the previous turn has finished:
     turn t of conversation c:  [ system | user 0 | answer 0 | ... | user t-1 | answer t-1 | user t ]
                                  ^ cacheable: full blocks of turn t-1's prompt + answer (minus the last token)
 
-The same chat runs on three fresh engines with the same device pool: the pool alone; + a DRAM tier
-that holds everything; + a small DRAM tier over an NVMe tier that holds everything. Greedy answers of
-fixed length make the three runs the same workload. TTFT is the time from `add_request` to the end of
-the step that samples the first token. Transfer rates come from the tiers' own counters and are
-compared with a memcpy and a sequential file write and read on the NVMe tier's disk, measured first.
+The same chat runs on three fresh engines with the same device pool: the pool alone; + a small DRAM
+tier; + the same DRAM over an NVMe tier that holds everything, so that each run adds one tier. Greedy
+answers of fixed length make the three runs the same workload. TTFT is the time from `add_request` to
+the end of the step that samples the first token. Transfer rates come from the tiers' own counters and
+are compared with a memcpy and with sequential file writes and reads on the NVMe tier's disk, in the
+tier's own IO mode (O_DIRECT where the filesystem has it), measured first.
+
+The admission study runs the NVMe config twice more, once per NVMe admission mode, on the same chat
+with a one-shot prompt (random tokens, never seen again) after every turn and an NVMe tier that holds
+only part of the chat: what each mode keeps on a full disk, and what that is worth in hits.
 """
 
 from __future__ import annotations
 
 import gc
 import math
+import mmap
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -81,8 +88,7 @@ class TieringSettings:
     gpu_blocks: int
     model: str = DEFAULT_MODEL
     dtype: str = "float32"
-    dram_blocks: int | None = None  # the DRAM config's tier; None: room for every block of the chat
-    small_dram_blocks: int | None = None  # the DRAM under NVMe; None: twice the device pool
+    dram_blocks: int | None = None  # the DRAM tier of both tiered configs; None: half the chat
     nvme_blocks: int | None = None  # None: room for every block of the chat
     memcpy_bytes: int = 512 * _MB
     disk_probe_bytes: int = 256 * _MB
@@ -102,11 +108,11 @@ class TieringSettings:
 
     def tier_blocks(self, config: str) -> tuple[int | None, int | None]:
         """(DRAM blocks, NVMe blocks) of one of CONFIGS."""
-        everything = self.num_chat_blocks
+        dram = self.dram_blocks or max(1, self.num_chat_blocks // 2)
         if config == "dram":
-            return self.dram_blocks or everything, None
+            return dram, None
         if config == "nvme":
-            return self.small_dram_blocks or 2 * self.gpu_blocks, self.nvme_blocks or everything
+            return dram, self.nvme_blocks or self.num_chat_blocks
         return None, None
 
 
@@ -116,10 +122,12 @@ class TieringSettings:
 class DiskRates:
     """Sequential bytes/s of one thread on a file in the NVMe directory."""
 
-    write: float  # buffered writes, no fsync: what the NVMe tier's writes do
+    write: float  # buffered writes, no fsync
     write_fsync: float  # the same plus fsync: the disk itself
     read_cold: float  # after dropping the file from the page cache
     read_warm: float  # the same file again, from the page cache
+    write_direct: float | None = None  # O_DIRECT, past the page cache (None: the filesystem has none)
+    read_direct: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +135,8 @@ class References:
     memcpy: float  # bytes copied per second by torch (which may use every core)
     disk: DiskRates
 
-    def to_json(self) -> dict[str, float]:
-        disk = {f"disk_{k}": round(v / 1e9, 3) for k, v in asdict(self.disk).items()}
+    def to_json(self) -> dict[str, float | None]:
+        disk = {f"disk_{k}": _round(v and v / 1e9, 3) for k, v in asdict(self.disk).items()}
         return {"memcpy": round(self.memcpy / 1e9, 3), **disk}
 
 
@@ -167,15 +175,51 @@ def measure_disk(directory: Path, num_bytes: int, chunk: int = 8 * _MB,
     finally:
         path.unlink(missing_ok=True)
     total = n * chunk
-    return DiskRates(total / (t1 - t0), total / (t2 - t0), total / reads[0], total / reads[1])
+    direct = measure_direct(directory, n, chunk, clock)
+    return DiskRates(total / (t1 - t0), total / (t2 - t0), total / reads[0], total / reads[1], *direct)
+
+
+def measure_direct(directory: Path, n: int, chunk: int,
+                   clock: Callable[[], float] = time.perf_counter) -> tuple[float | None, float | None]:
+    """(write, read) bytes/s of n sequential O_DIRECT chunks (page-aligned buffer); Nones where the
+    filesystem refuses O_DIRECT."""
+    chunk = max(mmap.PAGESIZE, chunk // mmap.PAGESIZE * mmap.PAGESIZE)
+    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(chunk))
+    path = directory / PROBE_FILE
+    try:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+        except (OSError, AttributeError):
+            return None, None
+        try:
+            t0 = clock()
+            for i in range(n):
+                os.pwritev(fd, [buf], i * chunk)
+            t1 = clock()
+            for i in range(n):
+                os.preadv(fd, [buf], i * chunk)
+            t2 = clock()
+        except OSError:  # EINVAL on the first IO: open accepted the flag, the filesystem does not
+            return None, None
+        finally:
+            os.close(fd)
+    finally:
+        path.unlink(missing_ok=True)
+        buf.close()
+    return n * chunk / (t1 - t0), n * chunk / (t2 - t1)
 
 
 def measure_references(directory: Path, memcpy_bytes: int, disk_bytes: int, repeats: int = 3) -> References:
     """The best of `repeats` disk probes, figure by figure: this VM's disk swings by 10x between runs,
     and a reference must not be flattered by one slow moment."""
     probes = [measure_disk(directory, disk_bytes) for _ in range(repeats)]
-    best = DiskRates(*(max(getattr(p, k) for p in probes) for k in DiskRates.__slots__))
-    return References(measure_memcpy(memcpy_bytes), best)
+
+    def best(k: str) -> float | None:
+        xs = [getattr(p, k) for p in probes if getattr(p, k) is not None]
+        return max(xs) if xs else None
+
+    return References(measure_memcpy(memcpy_bytes), DiskRates(*(best(k) for k in DiskRates.__slots__)))
 
 
 # -- one run --------------------------------------------------------------------------------------
@@ -239,8 +283,10 @@ class ConfigResult:
 
 
 def run_chat(llm: Any, messages: list[list[list[int]]], answer_len: int,
-             clock: Callable[[], float] = time.perf_counter, label: str = "chat") -> tuple[float, list[TurnResult]]:
-    """Every turn of every conversation, round-robin, one request at a time; (wall seconds, turns)."""
+             clock: Callable[[], float] = time.perf_counter, label: str = "chat",
+             one_shots: list[list[int]] | None = None) -> tuple[float, list[TurnResult]]:
+    """Every turn of every conversation, round-robin, one request at a time; (wall seconds, turns).
+    `one_shots[i]`, if given, runs after the i-th turn and is not among the turns returned."""
     from kvstrata.worker.sampling_params import SamplingParams
 
     engine = llm.engine
@@ -253,6 +299,8 @@ def run_chat(llm: Any, messages: list[list[list[int]]], answer_len: int,
     for turn in range(num_turns):
         for conv, turns in enumerate(messages):
             result = _run_turn(engine, conv, turn, histories[conv] + turns[turn], params, clock)
+            if one_shots is not None:
+                _run_turn(engine, -1, len(results), one_shots[len(results)], params, clock)
             results.append(result)
             histories[conv] += turns[turn] + list(result.output_token_ids)
             progress.advance()
@@ -358,23 +406,18 @@ class TieringReport:
         ref = self.references
         dram = (self.config("dram").tiers or {}).get("dram", {})
         nvme = (self.config("nvme").tiers or {}).get("nvme", {})
-        disk = ref.disk
-        read_ref = "sequential read, page cache" if disk.read_warm >= disk.read_cold else "sequential read, from disk"
         return [
             Transfer("DRAM demote", dram.get("demote_gb_per_s") or None, "memcpy", ref.memcpy / 1e9),
             Transfer("DRAM promote", dram.get("promote_gb_per_s") or None, "memcpy", ref.memcpy / 1e9),
-            Transfer("NVMe write, per IO thread", _rate(nvme.get("bytes_written", 0), nvme.get("write_seconds", 0)),
-                     "sequential buffered write", disk.write / 1e9),
-            Transfer("NVMe read, per IO thread", _rate(nvme.get("bytes_read", 0), nvme.get("read_seconds", 0)),
-                     read_ref, max(disk.read_warm, disk.read_cold) / 1e9),
+            *nvme_transfers(nvme, ref.disk),
         ]
 
     def targets(self) -> list[Target]:
         base, dram, nvme = (self.config(n) for n in CONFIGS)
         out = []
-        for tiered in (dram, nvme):
-            out.append(Target(f"{tiered.label} raises the hit rate", tiered.hit_rate > base.hit_rate,
-                              f"{tiered.hit_rate:.1%} vs {base.hit_rate:.1%} on the device pool alone"))
+        for tiered, below, what in ((dram, base, "the device pool alone"), (nvme, dram, "DRAM alone")):
+            out.append(Target(f"{tiered.label} raises the hit rate", tiered.hit_rate > below.hit_rate,
+                              f"{tiered.hit_rate:.1%} vs {below.hit_rate:.1%} on {what}"))
         loaded = (nvme.tiers or {}).get("nvme", {}).get("loaded_blocks", 0)
         out.append(Target("NVMe serves what the small DRAM tier lost", loaded > 0,
                           f"{loaded} blocks loaded from NVMe = {loaded * BLOCK_SIZE / nvme.num_prompt_tokens:.1%} "
@@ -408,6 +451,25 @@ class TieringReport:
             "transfers": [{**asdict(t), "ratio": _round(t.ratio, 3)} for t in self.transfers()],
             "targets": [asdict(t) for t in self.targets()],
         }
+
+
+def nvme_transfers(nvme: dict[str, Any], disk: DiskRates) -> list[Transfer]:
+    """The NVMe tier's write and read rates (bytes over the wall time with any such IO in flight,
+    across its IO threads) against one thread's sequential IO on the same disk, in the tier's mode."""
+    direct = bool(nvme.get("direct_io")) and disk.write_direct is not None
+    if direct:
+        write_ref, read_ref = ("sequential O_DIRECT write", disk.write_direct), ("sequential O_DIRECT read",
+                                                                                 disk.read_direct)
+    else:
+        warm = disk.read_warm >= disk.read_cold
+        write_ref = ("sequential buffered write", disk.write)
+        read_ref = ("sequential read, " + ("page cache" if warm else "from disk"), max(disk.read_warm, disk.read_cold))
+    return [
+        Transfer("NVMe write", _rate(nvme.get("bytes_written", 0), nvme.get("write_busy_seconds", 0)),
+                 write_ref[0], write_ref[1] / 1e9),
+        Transfer("NVMe read", _rate(nvme.get("bytes_read", 0), nvme.get("read_busy_seconds", 0)),
+                 read_ref[0], read_ref[1] / 1e9),
+    ]
 
 
 def _turn_json(t: TurnResult) -> dict[str, Any]:
@@ -474,3 +536,86 @@ def _label(gpu_blocks: int, dram_blocks: int | None, nvme_blocks: int | None) ->
     if nvme_blocks is None:
         return f"+ DRAM ({dram_blocks} blocks)"
     return f"+ DRAM ({dram_blocks}) + NVMe ({nvme_blocks} blocks)"
+
+
+# -- the admission study --------------------------------------------------------------------------
+
+@dataclass
+class AdmissionResult:
+    mode: str  # an NVMe admission mode
+    wall_s: float
+    turns: list[TurnResult] = field(repr=False)  # the chat's turns; the one-shot prompts are not here
+    tiers: dict
+
+    @property
+    def hit_rate(self) -> float:
+        return sum(t.num_cached_tokens for t in self.turns) / sum(t.num_prompt_tokens for t in self.turns)
+
+    @property
+    def follow_up_ttft_p50_ms(self) -> float:
+        return percentile([t.ttft_s for t in self.turns if t.turn], 50) * 1e3
+
+    def summary(self) -> dict[str, Any]:
+        nvme = self.tiers["nvme"]
+        return {"mode": self.mode, "hit_rate": round(self.hit_rate, 4), "wall_s": round(self.wall_s, 3),
+                "follow_up_ttft_p50_ms": round(self.follow_up_ttft_p50_ms, 2),
+                "nvme_blocks_written": nvme["writes"], "nvme_bytes_written": nvme["bytes_written"],
+                "admission_rejects": nvme["admission_rejects"], "nvme_blocks_loaded": nvme["loaded_blocks"],
+                "nvme_evictions": nvme["evictions"]}
+
+
+@dataclass
+class AdmissionReport:
+    settings: TieringSettings
+    dram_blocks: int
+    nvme_blocks: int
+    one_shot_len: int
+    results: list[AdmissionResult]
+
+    @property
+    def outputs_identical(self) -> bool:
+        answers = [[t.output_token_ids for t in r.turns] for r in self.results]
+        return all(a == answers[0] for a in answers[1:])
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.settings
+        return {"chat": asdict(s.chat), "gpu_blocks": s.gpu_blocks, "dram_blocks": self.dram_blocks,
+                "nvme_blocks": self.nvme_blocks, "chat_blocks": s.num_chat_blocks, "one_shot_len": self.one_shot_len,
+                "outputs_identical": self.outputs_identical, "modes": [r.summary() for r in self.results]}
+
+
+def run_admission_study(settings: TieringSettings, nvme_dir: Path, one_shot_len: int,
+                        clock: Callable[[], float] = time.perf_counter) -> AdmissionReport:
+    """The NVMe config (with `settings.nvme_blocks`, default half the chat) on the chat with a one-shot
+    prompt of one_shot_len random tokens after every turn, once per admission mode."""
+    import torch
+
+    from kvstrata.cluster.sizing import load_model_config
+    from kvstrata.tiering.manager import ADMISSION_MODES
+    from kvstrata.worker.llm import LLM
+
+    settings.check()
+    itemsize = torch.empty((), dtype=getattr(torch, settings.dtype)).element_size()
+    block_bytes = load_model_config(settings.model).kv_bytes_per_token(itemsize) * BLOCK_SIZE
+    nvme_dir.mkdir(parents=True, exist_ok=True)
+    dram_blocks, _ = settings.tier_blocks("dram")
+    nvme_blocks = settings.nvme_blocks or max(1, settings.num_chat_blocks // 2)
+    messages = settings.chat.user_messages()
+    rng = random.Random(settings.chat.seed + 1)
+    num_turns = settings.chat.num_conversations * settings.chat.num_turns
+    one_shots = [[rng.randrange(100, 30000) for _ in range(one_shot_len)] for _ in range(num_turns)]
+    results = []
+    for mode in sorted(ADMISSION_MODES):
+        llm = LLM(settings.model, num_gpu_blocks=settings.gpu_blocks, block_size=BLOCK_SIZE, dtype=settings.dtype,
+                  nvme_admission=mode, **_tier_kwargs(dram_blocks, nvme_blocks, nvme_dir, block_bytes))
+        try:
+            warm_up(llm)
+            wall, turns = run_chat(llm, messages, settings.chat.answer_len, clock, label=f"admission {mode}",
+                                   one_shots=one_shots)
+            results.append(AdmissionResult(mode, wall, turns, llm.cache_stats()["tiers"]))
+            llm.reset_prefix_cache()
+        finally:
+            llm.close()
+        del llm
+        gc.collect()
+    return AdmissionReport(settings, dram_blocks, nvme_blocks, one_shot_len, results)

@@ -15,10 +15,12 @@ from kvstrata.cluster.bench.tiering import (
     _MB,
     BLOCK_SIZE,
     TARGET_BANDWIDTH_RATIO,
+    AdmissionReport,
     ChatShape,
     TieringReport,
     TieringSettings,
     conversations_for,
+    run_admission_study,
     run_tiering_bench,
 )
 from kvstrata.worker.model_source import DEFAULT_MODEL
@@ -46,15 +48,35 @@ def format_report(r: TieringReport) -> str:
     lines.append("TTFT in ms; hit / miss: follow-up turns with some / no cached prompt tokens")
     lines.append(f"ideal hit rate (an unbounded cache): {r.ideal_hit_rate:.1%}; greedy outputs identical across "
                  f"configs: {'yes' if r.outputs_identical else 'NO'}")
-    ref = r.references
+    ref, disk = r.references, r.references.disk
+    direct = ("O_DIRECT unsupported" if disk.write_direct is None else
+              f"O_DIRECT write {disk.write_direct / 1e9:.2f}, read {disk.read_direct / 1e9:.2f}")
     lines.append(f"references: memcpy {ref.memcpy / 1e9:.2f} GB/s; file in the NVMe directory (best of 3): write "
-                 f"{ref.disk.write / 1e9:.2f} GB/s buffered, {ref.disk.write_fsync / 1e9:.2f} with fsync; read "
-                 f"{ref.disk.read_cold / 1e9:.2f} from disk, {ref.disk.read_warm / 1e9:.2f} from the page cache")
-    lines.append("NVMe rates are bytes / seconds summed over the IO threads: the rate of one thread")
+                 f"{disk.write / 1e9:.2f} GB/s buffered, {disk.write_fsync / 1e9:.2f} with fsync; read "
+                 f"{disk.read_cold / 1e9:.2f} from disk, {disk.read_warm / 1e9:.2f} from the page cache; {direct}")
+    lines.append("NVMe rates are bytes over the wall time with IO of that kind in flight, across the IO threads")
     lines.append("targets:")
     for t in r.targets():
         mark = {True: "met", False: "MISSED", None: "n/a"}[t.met]
         lines.append(f"  [{mark:>6}] {t.name}: {t.detail}")
+    return "\n".join(lines)
+
+
+def format_admission(r: AdmissionReport) -> str:
+    s, c = r.settings, r.settings.chat
+    lines = [
+        (f"admission study: {c.num_conversations} conversations x {c.num_turns} turns, a one-shot prompt of "
+         f"{r.one_shot_len} random tokens after every turn; device pool {s.gpu_blocks}, DRAM {r.dram_blocks}, "
+         f"NVMe {r.nvme_blocks} blocks ({r.nvme_blocks / s.num_chat_blocks:.0%} of the chat's {s.num_chat_blocks})"),
+        (f"{'mode':<8}{'chat hit rate':>14}{'follow-up TTFT p50':>20}{'blocks written':>16}{'rejected':>10}"
+         f"{'loaded':>8}{'evicted':>9}{'wall s':>8}"),
+    ]
+    for m in r.results:
+        x = m.summary()
+        lines.append(f"{m.mode:<8}{m.hit_rate:>14.1%}{x['follow_up_ttft_p50_ms']:>17.0f} ms"
+                     f"{x['nvme_blocks_written']:>16}{x['admission_rejects']:>10}{x['nvme_blocks_loaded']:>8}"
+                     f"{x['nvme_evictions']:>9}{m.wall_s:>8.1f}")
+    lines.append(f"greedy chat answers identical across modes: {'yes' if r.outputs_identical else 'NO'}")
     return "\n".join(lines)
 
 
@@ -98,7 +120,7 @@ def plot_report(r: TieringReport, path: Path) -> None:
 DEFAULTS = {
     "gpu_blocks": (48, 12), "turns": (6, 2), "system_len": (128, 32), "user_len": (64, 16), "answer_len": (16, 2),
     "kv_ratio": (10.0, 2.5), "memcpy_mb": (512, 32), "disk_probe_mb": (256, 16),
-    "small_dram_blocks": (None, 4),  # None: twice the device pool
+    "one_shot_len": (256, 96),
 }
 
 
@@ -106,8 +128,9 @@ def add_bench_tiering_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p = bench_subparsers.add_parser(
         "tiering", help="hit rate, TTFT and transfer bandwidth with DRAM and NVMe KV tiers",
         description="Run one multi-turn chat whose KV is about --kv-ratio times the device pool on the pool "
-                    "alone, + a DRAM tier, and + a small DRAM tier over an NVMe tier; report hit rate, TTFT, "
-                    "throughput and the tiers' transfer rates against memcpy and the disk. See docs/benchmarks.md.")
+                    "alone, + a DRAM tier, and + the same DRAM tier over an NVMe tier; report hit rate, TTFT, "
+                    "throughput and the tiers' transfer rates against memcpy and the disk. With --admission-study, "
+                    "compare the NVMe admission modes instead. See docs/benchmarks.md.")
     full = {k: v[0] for k, v in DEFAULTS.items()}
     p.add_argument("--gpu-blocks", type=positive_int, default=None,
                    help=f"device pool blocks (default {full['gpu_blocks']})")
@@ -122,15 +145,18 @@ def add_bench_tiering_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--answer-len", type=positive_int, default=None,
                    help=f"tokens per answer (default {full['answer_len']})")
     p.add_argument("--dram-blocks", type=positive_int, default=None,
-                   help="DRAM tier of the second config, in blocks (default: room for the whole chat)")
-    p.add_argument("--small-dram-blocks", type=positive_int, default=None,
-                   help="DRAM tier under NVMe in the third config, in blocks (default: twice --gpu-blocks; "
-                        f"{DEFAULTS['small_dram_blocks'][1]} with --quick)")
+                   help="DRAM tier of the tiered configs, in blocks (default: half the chat's blocks)")
     p.add_argument("--nvme-dir", type=Path, default=None,
                    help="directory for the NVMe tier and the disk probe (default: a temporary directory); "
                         "the tier uses its subfolder kvstrata-bench-tiering")
     p.add_argument("--nvme-blocks", type=positive_int, default=None,
-                   help="NVMe tier capacity, in blocks (default: room for the whole chat)")
+                   help="NVMe tier capacity, in blocks (default: room for the whole chat; half of it in the "
+                        "admission study)")
+    p.add_argument("--admission-study", action="store_true",
+                   help="instead of the three configs: the NVMe config under each admission mode, on the chat "
+                        "with a one-shot prompt after every turn")
+    p.add_argument("--one-shot-len", type=positive_int, default=None,
+                   help=f"tokens of each one-shot prompt in the admission study (default {full['one_shot_len']})")
     p.add_argument("--memcpy-mb", type=positive_int, default=None,
                    help=f"memcpy probe buffer (default {full['memcpy_mb']})")
     p.add_argument("--disk-probe-mb", type=positive_int, default=None,
@@ -153,8 +179,7 @@ def settings_from_args(args: argparse.Namespace) -> TieringSettings:
         pick["kv_ratio"], pick["gpu_blocks"], pick["turns"], pick["system_len"], pick["user_len"], pick["answer_len"])
     chat = ChatShape(conversations, pick["turns"], pick["system_len"], pick["user_len"], pick["answer_len"], args.seed)
     settings = TieringSettings(chat, pick["gpu_blocks"], args.model, args.dtype, args.dram_blocks,
-                               pick["small_dram_blocks"], args.nvme_blocks, pick["memcpy_mb"] * _MB,
-                               pick["disk_probe_mb"] * _MB)
+                               args.nvme_blocks, pick["memcpy_mb"] * _MB, pick["disk_probe_mb"] * _MB)
     settings.check()
     return settings
 
@@ -169,10 +194,21 @@ def run_bench_tiering(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError("--plot needs matplotlib, which is not installed (pip install matplotlib)") from None
+    if args.admission_study:
+        if args.plot is not None:
+            raise ValueError("--plot: the admission study has no plot; use --json")
+        one_shot_len = args.one_shot_len or DEFAULTS["one_shot_len"][1 if args.quick else 0]
+
+        def run(tier_dir: Path) -> AdmissionReport:
+            return run_admission_study(settings, tier_dir, one_shot_len)
+
+        fmt = format_admission
+    else:
+        run, fmt = (lambda tier_dir: run_tiering_bench(settings, tier_dir)), format_report
     if args.nvme_dir is None:
         root = Path(tempfile.mkdtemp(prefix="kvstrata-tiering-"))
         try:
-            report = run_tiering_bench(settings, root)
+            report = run(root)
         finally:
             shutil.rmtree(root, ignore_errors=True)
     else:
@@ -181,8 +217,8 @@ def run_bench_tiering(args: argparse.Namespace) -> int:
             tier_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"--nvme-dir: cannot create {tier_dir}: {e.strerror}") from None
-        report = run_tiering_bench(settings, tier_dir)
-    print(format_report(report), flush=True)
+        report = run(tier_dir)
+    print(fmt(report), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(report.to_json(), indent=1) + "\n")
     if args.plot is not None:
