@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvstrata.cluster.argtypes import integer, non_negative_float
+from kvstrata.cluster.argtypes import integer, non_negative_float, positive_int
 from kvstrata.cluster.bench.cli import add_bench_parser
 from kvstrata.cluster.client_cmd import add_client_parser
 from kvstrata.cluster.serve_cmd import add_serve_parser
@@ -37,6 +37,8 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--block-size", type=integer, default=16)
     p.add_argument("--num-gpu-blocks", type=integer, default=None, help="cap the KV pool at this many blocks")
     p.add_argument("--max-model-len", type=integer, default=None)
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel ranks: this process and tp - 1 Ray actors (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt, one per line")
     p.set_defaults(func=run_generate)
 
@@ -67,11 +69,14 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     llm = LLM(model=args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-              max_model_len=args.max_model_len, dtype=args.dtype, device=args.device)
-    if args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
-    else:
-        outs = llm.generate(prompts, params)
+              max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tp)
+    try:
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            outs = llm.generate(prompts, params)
+    finally:
+        llm.close()
     for out in outs:
         c = out.outputs[0]
         if args.json:

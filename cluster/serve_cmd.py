@@ -100,7 +100,8 @@ OPTIONS = [
     Option("disable_http", _boolean, False, "serve gRPC only"),
     Option("dtype", _text, None, "float32, bfloat16 or float16 (default: the model's)",
            ("float32", "bfloat16", "float16")),
-    Option("num_gpu_blocks", _positive, None, "cap the KV pool at this many blocks"),
+    Option("num_gpu_blocks", _positive, None, "cap the KV pool at this many blocks (per rank with --tp)"),
+    Option("tp", _positive, 1, "tensor-parallel ranks: this process and tp - 1 Ray actors"),
     Option("max_model_len", _positive, None, "context limit (default: the model's)"),
     Option("cpu_kv_bytes", _size, None, "a DRAM tier of this size under the KV pool (e.g. 8GiB)"),
     Option("nvme_kv_dir", _text, None, "an NVMe tier of KV block files in this directory (needs --cpu-kv-bytes)"),
@@ -234,7 +235,8 @@ def run_serve(args: argparse.Namespace) -> int:
     llm = LLM(opts["model"], dtype=opts["dtype"], num_gpu_blocks=opts["num_gpu_blocks"],
               max_model_len=opts["max_model_len"], cpu_kv_bytes=opts["cpu_kv_bytes"],
               nvme_kv_dir=opts["nvme_kv_dir"], nvme_kv_bytes=opts["nvme_kv_bytes"],
-              pin_quota_bytes=opts["pin_quota_bytes"], nvme_admission=opts["nvme_admission"])
+              pin_quota_bytes=opts["pin_quota_bytes"], nvme_admission=opts["nvme_admission"],
+              tensor_parallel_size=opts["tp"])
     try:
         return asyncio.run(_serve(llm, opts, auth))
     finally:

@@ -50,3 +50,14 @@ def hf_greedy(hf_reference, prompt_ids: list[int], max_new_tokens: int) -> list[
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=2)
     return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for the whole test session, with explicit (logical) CPUs for tensor-parallel
+    groups of up to four ranks. Skipped where Ray is not installed."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -5,36 +5,27 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from kvstrata.worker import gguf_loader
 from kvstrata.worker.gguf_loader import _unpermute, converted_dir
 from kvstrata.worker.loader import load_config
 from kvstrata.worker.model_source import resolve_model
-
+from tests.checkpoints import (
+    LOGPROB_TOL,
+    MAX_NEW,
+    VOCAB,
+    build_checkpoint,
+    hf_greedy_logprobs,
+    llama3_rope,
+    random_prompts,
+)
 from tests.conftest import HAVE_SMOLLM2, needs_model
 
 transformers = pytest.importorskip("transformers")
-
-VOCAB = 49152  # the SmolLM2 tokenizer copied into every tiny checkpoint
-MAX_NEW = 12
-WEIGHT_STD = 0.3  # far above HF's 0.02 init, so greedy paths are well separated (no near-ties)
-LOGPROB_TOL = 1e-3  # float32 both sides; observed differences are ~1e-5
-
-
-def _llama3_rope() -> dict:
-    return {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64, "rope_theta": 500000.0}
-
-
-BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=8, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
-            pad_token_id=None)
 
 # name -> (family, config kwargs, write config.json in the pre-v5 layout (rope_theta/rope_scaling))
 VARIANTS = {
@@ -42,18 +33,12 @@ VARIANTS = {
     "llama_gqa2_tied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=True), False),
     "llama_mqa_untied": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=False), False),
     "llama3_rope_legacy_config": (
-        "llama", dict(num_key_value_heads=4, tie_word_embeddings=False, rope_parameters=_llama3_rope()), True),
+        "llama", dict(num_key_value_heads=4, tie_word_embeddings=False, rope_parameters=llama3_rope()), True),
     "qwen2_bias_theta1e6_legacy_config": (
         "qwen2", dict(num_key_value_heads=2, tie_word_embeddings=False,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}), True),
     "mistral_gqa2": ("mistral", dict(num_key_value_heads=2, tie_word_embeddings=False), False),
 }
-CLASSES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-}
-PROMPT_LENGTHS = (37, 16, 5)  # spans blocks, exactly one block, inside one block
 
 
 @pytest.fixture(scope="module")
@@ -63,66 +48,18 @@ def smollm2_hf_dir() -> Path:
     return converted_dir(resolve_model("smollm2-135m").path)
 
 
-def _to_legacy_config(path: Path) -> None:
-    """Rewrite config.json the way pre-v5 transformers (and most hub checkpoints) lay out RoPE."""
-    d = json.loads(path.read_text())
-    rope = dict(d.pop("rope_parameters"))
-    d["rope_theta"] = rope.pop("rope_theta")
-    if rope.get("rope_type", "default") != "default":
-        d["rope_scaling"] = rope
-    path.write_text(json.dumps(d, indent=1))
-
-
-def _build(out_dir: Path, tokenizer_dir: Path, family: str, kwargs: dict, legacy: bool, seed: int):
-    """Save a random checkpoint with a tokenizer to out_dir; return the HF model."""
-    cfg_cls, model_cls = (getattr(transformers, n) for n in CLASSES[family])
-    torch.manual_seed(seed)
-    model = model_cls(cfg_cls(**BASE, **kwargs)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))  # HF inits norms to ones: make a mix-up visible
-            else:
-                p.normal_(0.0, WEIGHT_STD)  # also the q/k/v biases, which HF inits to zero
-    model.save_pretrained(out_dir, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / f, out_dir / f)
-    if legacy:
-        _to_legacy_config(out_dir / "config.json")
-        # HF must read the rewritten file exactly as the config it was built from
-        assert transformers.AutoConfig.from_pretrained(out_dir).rope_parameters == model.config.rope_parameters
-    return model
-
-
-def _prompts(seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-
-
-def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens and per-step log-softmax of the raw logits, [MAX_NEW, V]."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, eos_token_id=None, pad_token_id=0,
-                             return_dict_in_generate=True, output_logits=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
-    return tokens, logprobs
-
-
 def _check_against_hf(tmp_path: Path, tokenizer_dir: Path, family: str, kwargs: dict, legacy: bool,
                       seed: int) -> None:
     from kvstrata import LLM, SamplingParams
 
     model_dir = tmp_path / "ckpt"
-    hf_model = _build(model_dir, tokenizer_dir, family, kwargs, legacy, seed)
+    hf_model = build_checkpoint(model_dir, tokenizer_dir, family, kwargs, legacy, seed)
     llm = LLM(model=str(model_dir), num_gpu_blocks=64, dtype="float32")  # fp32 like the reference, on any device
-    prompts = _prompts(seed)
+    prompts = random_prompts(seed)
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
     outs = llm.generate(prompts, sp)  # one batch: mixed prefill lengths, then batched decodes
     for prompt, out in zip(prompts, outs):
-        ref_tokens, ref_logprobs = _hf_greedy(hf_model, prompt)
+        ref_tokens, ref_logprobs = hf_greedy_logprobs(hf_model, prompt)
         ours = out.outputs[0]
         assert ours.token_ids == ref_tokens, f"prompt of {len(prompt)} tokens"
         for step, lp in enumerate(ours.logprobs):
@@ -140,13 +77,13 @@ def test_tiny_hf_checkpoint_matches_transformers(tmp_path, smollm2_hf_dir, name)
 
 
 def test_tiny_checkpoint_with_v5_rope_parameters_matches_transformers(tmp_path, smollm2_hf_dir):
-    kwargs = dict(num_key_value_heads=4, tie_word_embeddings=False, rope_parameters=_llama3_rope())
+    kwargs = dict(num_key_value_heads=4, tie_word_embeddings=False, rope_parameters=llama3_rope())
     _check_against_hf(tmp_path, smollm2_hf_dir, "llama", kwargs, legacy=False, seed=3)
 
 
 def test_config_of_a_tiny_checkpoint(tmp_path, smollm2_hf_dir):
     family, kwargs, legacy = VARIANTS["qwen2_bias_theta1e6_legacy_config"]
-    _build(tmp_path, smollm2_hf_dir, family, kwargs, legacy, seed=0)
+    build_checkpoint(tmp_path, smollm2_hf_dir, family, kwargs, legacy, seed=0)
     cfg = load_config(str(tmp_path))
     assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == ("qwen2", 2, 8, 2, 8)
     assert cfg.attention_bias and not cfg.tie_word_embeddings

@@ -293,4 +293,5 @@ class LLMEngine:
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             **({"tiers": self.kv.tiers.stats()} if self.kv.tiers is not None else {}),
+            **({"tensor_parallel": self.runner.tp_stats()} if self.runner.model.shard is not None else {}),
         }

@@ -1,4 +1,5 @@
-"""`LLM`: the in-process engine, for scripts, tests and benchmarks. Needs neither Ray nor a server."""
+"""`LLM`: the in-process engine, for scripts, tests and benchmarks. Needs neither Ray nor a server,
+except with tensor_parallel_size > 1, whose other ranks are Ray actors (`kvstrata.cluster.tp_group`)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,15 @@ class LLM:
                  seed: int = 0, enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 128, kv_cache_bytes: int | None = None, cpu_kv_bytes: int | None = None,
                  nvme_kv_dir: str | None = None, nvme_kv_bytes: int | None = None,
-                 pin_quota_bytes: int | None = None, nvme_admission: str = "reuse"):
+                 pin_quota_bytes: int | None = None, nvme_admission: str = "reuse",
+                 tensor_parallel_size: int = 1):
         """cpu_kv_bytes adds a DRAM tier under the device pool, and nvme_kv_dir (with nvme_kv_bytes)
         an NVMe tier under that: blocks the pool evicts are kept there and promoted back on a hit.
         pin_quota_bytes caps one tenant's prompt-cache pins (default: all pins' limit, half the lowest tier).
-        nvme_admission: "reuse" (a full NVMe tier takes only reused, shallow or pinned blocks) or "all"."""
+        nvme_admission: "reuse" (a full NVMe tier takes only blocks asked for twice, and pins) or "all".
+        tensor_parallel_size > 1 runs the model on that many ranks: this process is rank 0 (the
+        scheduler and its shard), the others are Ray actors (a local Ray starts if none is running).
+        KV block counts are then per rank, each rank holding its share of the KV heads."""
         _check_positive("block_size", block_size)
         if num_gpu_blocks is not None:
             _check_positive("num_gpu_blocks", num_gpu_blocks)
@@ -46,7 +51,10 @@ class LLM:
             _check_positive("pin_quota_bytes", pin_quota_bytes)
             if cpu_kv_bytes is None:
                 raise ValueError("pin_quota_bytes needs cpu_kv_bytes: pins live in the KV tiers")
-        loaded = load_model(model, dtype=dtype, device=device)
+        shard = None
+        if tensor_parallel_size != 1:
+            shard = _check_tp(model, tensor_parallel_size, cpu_kv_bytes)
+        loaded = load_model(model, dtype=dtype, device=device, shard=shard)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_id = loaded.source.model_id
@@ -57,6 +65,10 @@ class LLM:
         if num_gpu_blocks is None:
             num_gpu_blocks = max(1, _kv_budget(loaded.model.device, kv_cache_bytes) // block_bytes)
         runner = ModelRunner(loaded.model, num_gpu_blocks, block_size)
+        self.group = None
+        if shard is not None:
+            self._tp = (model, tensor_parallel_size, num_gpu_blocks, block_size)
+            self.group = _start_group(runner, *self._tp)
         kv = KVCacheManager(num_gpu_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         sched = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
@@ -150,9 +162,22 @@ class LLM:
         return self.engine.kv.reset_prefix_cache()
 
     def close(self) -> None:
-        """Finish pending tier writes and stop the tiers' IO threads."""
+        """Finish pending tier writes and stop the tiers' IO threads; stop a tensor-parallel group."""
         if self.engine.kv.tiers is not None:
             self.engine.kv.tiers.close()
+        if self.group is not None:
+            self.group.close()
+
+    def restart_workers(self) -> None:
+        """After a tensor-parallel rank died: abort every request (their KV is gone with it), drop the
+        prefix cache, and start the other ranks again."""
+        if self.group is None:
+            raise ValueError("restart_workers needs tensor_parallel_size > 1")
+        self.group.close()
+        for rid in list(self.engine.groups):
+            self.engine.abort(rid)
+        self.engine.kv.reset_prefix_cache()
+        self.group = _start_group(self.engine.runner, *self._tp)
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -192,6 +217,31 @@ def _build_tiers(runner: ModelRunner, block_bytes: int, cpu_kv_bytes: int, nvme_
 
         nvme = NvmeTier(nvme_kv_dir, nvme_kv_bytes, shape, dtype, layout_tag=layout_tag)
     return TierManager(runner.kv_cache, host, nvme, admission=admission)
+
+
+def _check_tp(model: str, tp: int, cpu_kv_bytes: int | None):
+    """Rank 0's shard; ValueError naming tensor_parallel_size for a size the model cannot take."""
+    from kvstrata.worker.loader import load_config
+    from kvstrata.worker.tensor_parallel import plan_shard
+
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+    if cpu_kv_bytes is not None:
+        raise ValueError("cpu_kv_bytes: KV tiers do not work with tensor_parallel_size > 1 yet")
+    return plan_shard(load_config(model), tp, 0)
+
+
+def _start_group(runner: ModelRunner, model: str, tp: int, num_blocks: int, block_size: int):
+    """The other ranks, joined to this process (rank 0), with the same number of KV blocks."""
+    from kvstrata.cluster.tp_group import GroupSpec, WorkerGroup
+
+    m = runner.model
+    group = WorkerGroup(GroupSpec(model, tp, str(m.dtype).removeprefix("torch."), m.device.type,
+                                  num_blocks, block_size))
+    m.all_reduce = group.comm.all_reduce
+    runner.comm, runner.group = group.comm, group
+    group.wait_ready()
+    return group
 
 
 def _kv_budget(device: torch.device, kv_cache_bytes: int | None) -> int:

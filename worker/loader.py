@@ -11,6 +11,7 @@ from kvstrata.worker.config import ModelConfig
 from kvstrata.worker.gguf_loader import converted_dir, gguf_config
 from kvstrata.worker.model import LlamaModel
 from kvstrata.worker.model_source import ModelSource, resolve_model
+from kvstrata.worker.tensor_parallel import TPShard, shard_slices, slice_for
 from kvstrata.worker.tokenizer import Tokenizer
 
 DTYPES = {
@@ -63,26 +64,37 @@ def load_config(model: str) -> ModelConfig:
     return ModelConfig.from_json_file(src.path / "config.json", model_id=src.model_id)
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def read_safetensors(path: Path, slices: dict[str, tuple[int, int, int]] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint; with `slices` (a tensor-parallel rank's), the sharded ones
+    are read as that slice only, straight from the file, so no rank holds the whole model."""
+    from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors weight files")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(load_file(str(f)))
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                cut = slice_for(name, slices) if slices else None
+                if cut is None:
+                    weights[name] = st.get_tensor(name)
+                    continue
+                dim, start, end = cut
+                part = st.get_slice(name)
+                weights[name] = part[start:end] if dim == 0 else part[:, start:end]
     return weights
 
 
-def load_model(model: str, dtype: str | torch.dtype | None = None,
-               device: str | torch.device | None = None) -> LoadedModel:
+def load_model(model: str, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
+               shard: TPShard | None = None, all_reduce=None) -> LoadedModel:
+    """With `shard`, only that tensor-parallel rank's slices are read (see `LlamaModel`)."""
     src = resolve_model(model)
     hf_dir = converted_dir(src.path) if src.kind == "gguf" else src.path
     config = ModelConfig.from_json_file(hf_dir / "config.json", model_id=src.model_id)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    weights = read_safetensors(hf_dir)
-    llama = LlamaModel(config, weights, torch_dtype, dev)
+    weights = read_safetensors(hf_dir, shard_slices(config, shard) if shard is not None else None)
+    llama = LlamaModel(config, weights, torch_dtype, dev, shard=shard, all_reduce=all_reduce)
     del weights
     return LoadedModel(config, llama, Tokenizer.from_dir(hf_dir), src)

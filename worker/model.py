@@ -8,7 +8,7 @@ fused into one matmul each.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ from kvstrata.worker.attention import AttentionMetadata, paged_attention, write_
 from kvstrata.worker.config import ModelConfig
 from kvstrata.worker.linear import select_linear
 from kvstrata.worker.rope import RotaryEmbedding
+from kvstrata.worker.tensor_parallel import TPShard
 
 
 @dataclass(slots=True)
@@ -43,12 +44,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
+    """With `shard`, one tensor-parallel rank's slice: `weights` hold only that rank's rows and
+    columns of the sharded projections, and `all_reduce` sums the row-parallel partial outputs."""
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, linear_backend: str = "auto"):
+                 device: torch.device, linear_backend: str = "auto", shard: TPShard | None = None,
+                 all_reduce: Callable[[torch.Tensor], None] | None = None):
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.shard = shard
+        self.all_reduce = all_reduce
         c = config
+        self.num_heads = shard.num_heads if shard is not None else c.num_heads
+        self.num_kv_heads = shard.num_kv_heads if shard is not None else c.num_kv_heads
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -69,11 +78,14 @@ class LlamaModel:
             bias = None
             if c.attention_bias:
                 bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
+            qkv = torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")])
+            if qkv.shape[0] != (self.num_heads + 2 * self.num_kv_heads) * c.head_dim:
+                raise ValueError(f"layer {i}: q/k/v weights have {qkv.shape[0]} rows, expected "
+                                 f"{(self.num_heads + 2 * self.num_kv_heads) * c.head_dim}")
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=linear.prepare(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"),
-                                                  w(a + "v_proj.weight")])),
+                    qkv=linear.prepare(qkv),
                     qkv_bias=bias,
                     o_proj=linear.prepare(w(a + "o_proj.weight")),
                     post_norm=w(p + "post_attention_layernorm.weight"),
@@ -90,13 +102,14 @@ class LlamaModel:
             from kvstrata.worker.cpu_kernels import load_cpu_kernels
 
             self.cpu_kernels = load_cpu_kernels()
-        self.q_size = c.num_heads * c.head_dim
-        self.kv_size = c.num_kv_heads * c.head_dim
+        self.q_size = self.num_heads * c.head_dim
+        self.kv_size = self.num_kv_heads * c.head_dim
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_cache: [L, 2, num_blocks, block_size, Hkv, D] -> hidden [T, hidden]."""
+        """input_ids, positions: [T]; kv_cache: [L, 2, num_blocks, block_size, Hkv, D] -> hidden [T, hidden]
+        (Hkv: this rank's KV heads)."""
         c = self.config
         linear = self.linear
         # the residual stream: every sub-layer's output is added to it in place, fused with the
@@ -110,15 +123,19 @@ class LlamaModel:
             qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) * D]
             # queries and keys rotate together: [T, H + Hkv, D]
             qk = self.rope.rotate(qkv[:, :qk_size].view(num_tokens, -1, c.head_dim), cos, sin)
-            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-            v = qkv[:, qk_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, c.head_dim)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-            x = self._add_rms_norm(linear(o.reshape(num_tokens, self.q_size), layer.o_proj, None), residual,
-                                   layer.post_norm)
+            attn = linear(o.reshape(num_tokens, self.q_size), layer.o_proj, None)
+            if self.all_reduce is not None:
+                self.all_reduce(attn)  # row-parallel: sum the ranks' partial outputs
+            x = self._add_rms_norm(attn, residual, layer.post_norm)
             gate, up = linear(x, layer.gate_up, None).chunk(2, dim=-1)
             mlp = linear(F.silu(gate) * up, layer.down, None)
+            if self.all_reduce is not None:
+                self.all_reduce(mlp)
             if i + 1 < len(self.layers):
                 x = self._add_rms_norm(mlp, residual, self.layers[i + 1].input_norm)
             else:

@@ -20,6 +20,7 @@ from kvstrata.worker.cpu_kernels import load_cpu_kernels
 from kvstrata.worker.kv_cache_manager import BlockCopy
 from kvstrata.worker.model import LlamaModel
 from kvstrata.worker.request import Request
+from kvstrata.worker.tensor_parallel import STEP, TPComm, pack_step, unpack_step
 
 
 @dataclass(slots=True)
@@ -43,19 +44,34 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
         self.kv_cache = torch.zeros(
-            (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim),
+            (c.num_layers, 2, num_blocks, block_size, model.num_kv_heads, c.head_dim),
             dtype=model.dtype,
             device=model.device,
         )
         kernels = load_cpu_kernels() if self.device.type == "cpu" else None
-        if kernels is not None and not kernels.supports(model.dtype, c.num_heads, c.num_kv_heads):
+        if kernels is not None and not kernels.supports(model.dtype, model.num_heads, model.num_kv_heads):
             kernels = None
         self.cpu_kernels = kernels
+        # rank 0 of a tensor-parallel group: steps go to the other ranks through `comm`, and `group`
+        # (a WorkerGroup) checks they are alive and names the rank that died when a step fails
+        self.comm: TPComm | None = None
+        self.group = None
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+        """KV bytes of one block on this rank (its share of the KV heads)."""
         c = model.config
-        return c.kv_bytes_per_token(torch.empty((), dtype=model.dtype).element_size()) * block_size
+        itemsize = torch.empty((), dtype=model.dtype).element_size()
+        return 2 * c.num_layers * model.num_kv_heads * c.head_dim * itemsize * block_size
+
+    def tp_stats(self) -> dict:
+        """This rank's share of a tensor-parallel group's KV (every rank holds the same amount)."""
+        shard = self.model.shard
+        kv = self.kv_cache
+        return {"size": shard.size, "kv_heads_per_rank": shard.num_kv_heads, "kv_replication": shard.kv_replication,
+                "kv_bytes_per_rank": kv.numel() * kv.element_size(),
+                "kv_bytes_per_block_per_rank": self.kv_bytes_per_block(self.model, self.block_size),
+                "group": self.group.stats() if self.group is not None else None}
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         if not copies:
@@ -66,11 +82,27 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
         """Run one step; returns float32 logits [len(sample_rows), V] for the given batch rows."""
-        self.copy_blocks(batch.block_copies)
         input_ids, positions, meta, last_token_rows = self._prepare(batch)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        if self.comm is None:
+            self.copy_blocks(batch.block_copies)
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        else:
+            self.group.check()
+            try:
+                src, dst = [c.src for c in batch.block_copies], [c.dst for c in batch.block_copies]
+                self.comm.send(STEP, pack_step(input_ids, positions, meta, src, dst))
+                self.copy_blocks(batch.block_copies)
+                hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+            except Exception as e:  # a collective failed: say which rank died, if one did
+                raise self.group.failure(e) from e
         rows = last_token_rows[torch.tensor(sample_rows, dtype=torch.long)] if sample_rows else last_token_rows[:0]
         return self.model.compute_logits(hidden[rows.to(self.device)])
+
+    def follow(self, fields: list[torch.Tensor]) -> None:
+        """Another rank's side of rank 0's `execute`: the same copies and forward pass, no logits."""
+        input_ids, positions, meta, src, dst = unpack_step(fields, self.block_size, self.device, self.cpu_kernels)
+        self.copy_blocks([BlockCopy(s, d) for s, d in zip(src, dst)])
+        self.model.forward(input_ids, positions, meta, self.kv_cache)
 
     def _prepare(self, batch: ScheduledBatch):
         bs = self.block_size

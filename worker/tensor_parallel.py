@@ -1,0 +1,188 @@
+"""Tensor parallelism inside one worker: how a model is cut across `tp` ranks, and what rank 0 sends
+the others at every step. Plain torch.distributed; the Ray wiring lives in `kvstrata.cluster.tp_group`.
+
+Each rank holds a slice of every layer (Megatron-style) and its share of the KV heads of every block:
+
+    q/k/v, gate/up   column-parallel: rank r computes its heads / its slice of the MLP
+    o, down          row-parallel: partial sums, then one all-reduce each per layer
+    embedding, norms, LM head   replicated (only rank 0 computes logits)
+
+    KV heads h = 4, tp = 2:  rank 0 [kv0 kv1 | q0..q3]   rank 1 [kv2 kv3 | q4..q7]
+    KV heads h = 2, tp = 4:  rank r holds kv head r // 2, replicated on two ranks
+
+Rank 0 owns the scheduler and the block manager. Block tables are the same on every rank, so a step
+is only its batch tensors: rank 0 broadcasts them (int64 tensors, never pickle) and every rank runs
+the same forward pass on its own heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from kvstrata.worker.attention import AttentionMetadata, PrefillChunk
+from kvstrata.worker.config import ModelConfig
+
+STEP, STOP = 1, 2  # message kinds
+
+
+@dataclass(frozen=True, slots=True)
+class TPShard:
+    """What rank `rank` of `size` holds: [start, end) ranges of query heads, KV heads and MLP columns."""
+
+    rank: int
+    size: int
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+    kv_replication: int  # ranks holding each KV head: 1, or size / KV heads when size > KV heads
+
+    @property
+    def num_heads(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+
+def plan_shard(config: ModelConfig, tp: int, rank: int) -> TPShard:
+    """ValueError naming tensor_parallel_size when the model cannot be cut into tp equal slices."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank must be in [0, {tp}), got {rank}")
+    h, hkv, inter = config.num_heads, config.num_kv_heads, config.intermediate_size
+    if h % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {h} attention heads")
+    if inter % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the model's intermediate size {inter}")
+    q = h // tp
+    if hkv % tp == 0:
+        kv, replication = hkv // tp, 1
+        kv_start = rank * kv
+    elif tp % hkv == 0:  # more ranks than KV heads: each head on tp / hkv ranks, one head per rank
+        kv, replication = 1, tp // hkv
+        kv_start = rank // replication
+    else:
+        raise ValueError(f"tensor_parallel_size {tp} and the model's {hkv} KV heads: one must divide the other")
+    i = inter // tp
+    return TPShard(rank, tp, (rank * q, (rank + 1) * q), (kv_start, kv_start + kv), (rank * i, (rank + 1) * i),
+                   replication)
+
+
+def shard_slices(config: ModelConfig, shard: TPShard) -> dict[str, tuple[int, int, int]]:
+    """Checkpoint tensor name suffix -> (dim, start, end) of this rank's slice; names absent are whole."""
+    d = config.head_dim
+    q0, q1 = (x * d for x in shard.q_heads)
+    k0, k1 = (x * d for x in shard.kv_heads)
+    i0, i1 = shard.intermediate
+    return {
+        "self_attn.q_proj.weight": (0, q0, q1), "self_attn.q_proj.bias": (0, q0, q1),
+        "self_attn.k_proj.weight": (0, k0, k1), "self_attn.k_proj.bias": (0, k0, k1),
+        "self_attn.v_proj.weight": (0, k0, k1), "self_attn.v_proj.bias": (0, k0, k1),
+        "self_attn.o_proj.weight": (1, q0, q1),
+        "mlp.gate_proj.weight": (0, i0, i1), "mlp.up_proj.weight": (0, i0, i1),
+        "mlp.down_proj.weight": (1, i0, i1),
+    }
+
+
+def slice_for(name: str, slices: dict[str, tuple[int, int, int]]) -> tuple[int, int, int] | None:
+    """The slice of a layer tensor `model.layers.<i>.<suffix>`, or None to load it whole."""
+    if not name.startswith("model.layers."):
+        return None
+    suffix = name.split(".", 3)[3]
+    return slices.get(suffix)
+
+
+# -- the group --------------------------------------------------------------------------------------
+
+class TPComm:
+    """One rank's side of the group: all-reduce for the model, and the step broadcast from rank 0.
+
+    A step is three broadcasts: [kind, number of fields], the fields' lengths, then all fields
+    concatenated, every one an int64 tensor (on the GPU under NCCL, which moves only device tensors).
+    """
+
+    def __init__(self, rank: int, size: int, device: torch.device):
+        self.rank = rank
+        self.size = size
+        self.device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    @staticmethod
+    def init(backend: str, init_method: str, rank: int, size: int, timeout_s: float) -> None:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s))
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        dist.all_reduce(x)
+
+    def send(self, kind: int, fields: list[torch.Tensor]) -> None:
+        assert self.rank == 0, "only rank 0 sends steps"
+        head = torch.tensor([kind, len(fields)], dtype=torch.long, device=self.device)
+        dist.broadcast(head, 0)
+        if not fields:
+            return
+        lengths = torch.tensor([f.numel() for f in fields], dtype=torch.long, device=self.device)
+        dist.broadcast(lengths, 0)
+        payload = torch.cat([f.reshape(-1).to(self.device, torch.long) for f in fields])
+        if payload.numel():
+            dist.broadcast(payload, 0)
+
+    def receive(self) -> tuple[int, list[torch.Tensor]]:
+        head = torch.empty(2, dtype=torch.long, device=self.device)
+        dist.broadcast(head, 0)
+        kind, n = (int(x) for x in head.tolist())
+        if not n:
+            return kind, []
+        lengths = torch.empty(n, dtype=torch.long, device=self.device)
+        dist.broadcast(lengths, 0)
+        sizes = lengths.tolist()
+        payload = torch.empty(sum(sizes), dtype=torch.long, device=self.device)
+        if payload.numel():
+            dist.broadcast(payload, 0)
+        return kind, list(payload.split(sizes))
+
+
+# -- the step message -------------------------------------------------------------------------------
+
+def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+              copies_src: list[int], copies_dst: list[int]) -> list[torch.Tensor]:
+    """A scheduled step as int64 fields: what another rank needs to run the same forward pass."""
+    cpu = torch.device("cpu")
+    d = meta.num_decodes
+    width = meta.decode_block_tables.shape[1] if d else 0
+    prefill_info = [x for p in meta.prefills for x in (p.token_start, p.num_tokens, p.context_len)]
+    return [
+        torch.tensor([d, width, len(meta.prefills)], dtype=torch.long),
+        input_ids.to(cpu), positions.to(cpu), meta.slot_mapping.to(cpu),
+        meta.decode_block_tables.to(cpu) if d else torch.empty(0, dtype=torch.long),
+        meta.decode_seq_lens.to(cpu) if d else torch.empty(0, dtype=torch.long),
+        torch.tensor(prefill_info, dtype=torch.long),
+        torch.cat([p.block_ids.to(cpu) for p in meta.prefills]) if meta.prefills else torch.empty(0, dtype=torch.long),
+        torch.tensor(copies_src, dtype=torch.long), torch.tensor(copies_dst, dtype=torch.long),
+    ]
+
+
+def unpack_step(fields: list[torch.Tensor], block_size: int, device: torch.device, cpu_kernels=None):
+    """(input_ids, positions, meta, copies_src, copies_dst) from pack_step's fields."""
+    counts, input_ids, positions, slots, tables, seq_lens, prefill_info, prefill_ids, src, dst = fields
+    d, width, num_prefills = (int(x) for x in counts.tolist())
+    decode_tables = decode_mask = None
+    if d:
+        decode_tables = tables.view(d, width).to(device)
+        if cpu_kernels is None:
+            decode_mask = (torch.arange(width * block_size)[None, :] < seq_lens[:, None]).view(d, 1, 1, -1).to(device)
+    prefills = []
+    offset = 0
+    for token_start, num_tokens, ctx in prefill_info.view(num_prefills, 3).tolist():
+        n = -(-ctx // block_size)
+        prefills.append(PrefillChunk(token_start, num_tokens, ctx, prefill_ids[offset:offset + n].to(device)))
+        offset += n
+    meta = AttentionMetadata(slot_mapping=slots.to(device), num_decodes=d, decode_block_tables=decode_tables,
+                             decode_seq_lens=seq_lens.to(device) if d else None, decode_mask=decode_mask,
+                             prefills=prefills, cpu_kernels=cpu_kernels)
+    return input_ids.to(device), positions.to(device), meta, src.tolist(), dst.tolist()
