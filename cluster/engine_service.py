@@ -35,6 +35,11 @@ class Draining(Exception):
     """The service no longer admits requests (drain or shutdown)."""
 
 
+class EngineFailed(RuntimeError):
+    """An engine step failed (e.g. a tensor-parallel rank died) and took the requests in it down;
+    the caller should answer UNAVAILABLE / HTTP 503: a retry may succeed once the engine recovers."""
+
+
 @dataclass
 class Delta:
     """New output of one sample since the last delta. `finish_reason` is set on its last delta."""
@@ -152,9 +157,12 @@ class EngineService:
     """Owns an `LLMEngine` and its step thread. `max_waiting` bounds requests not yet admitted."""
 
     def __init__(self, engine: LLMEngine, max_waiting: int = 256, max_tokens_limit: int = 4096,
-                 metrics: ServingMetrics | None = None):
+                 metrics: ServingMetrics | None = None, recover: Callable[[Exception], None] | None = None):
+        """`recover(e)`, if given, runs on the engine thread after a step failed with e (and its
+        requests were failed): e.g. restarting a tensor-parallel group whose rank died."""
         self.engine = engine
         self.metrics = metrics
+        self.recover = recover
         self.max_waiting = max_waiting
         self.max_tokens_limit = max_tokens_limit
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -314,8 +322,13 @@ class EngineService:
             except Exception as e:  # a failed step fails the requests in it, not the server
                 log.exception("engine step failed")
                 for rid in list(self._tracked):
-                    self._tracked.pop(rid).push(RuntimeError(f"engine step failed: {e}"))
+                    self._tracked.pop(rid).push(EngineFailed(f"engine step failed: {e}"))
                     self.engine.abort(rid)
+                if self.recover is not None:
+                    try:
+                        self.recover(e)
+                    except Exception:  # noqa: BLE001 - the next step fails again and retries
+                        log.exception("recovering from the failed step failed")
                 continue
             for rid, tracked in list(self._tracked.items()):
                 item = tracked.collect(self.engine, finished.get(rid))

@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from google.protobuf.message import DecodeError
 
-from kvstrata.cluster.engine_service import Delta, Draining, EngineService, Overloaded, chat_cache_pins
+from kvstrata.cluster.engine_service import Delta, Draining, EngineFailed, EngineService, Overloaded, chat_cache_pins
 from kvstrata.cluster.tenants import PermissionDenied, Tenant, TenantAuth, Unauthenticated, bearer_token, grpc_peer_host
 from kvstrata.protos.v1 import generation_pb2 as pb
 from kvstrata.protos.v1 import generation_pb2_grpc as pb_grpc
@@ -112,7 +112,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except Draining as e:
+        except (Draining, EngineFailed) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:

@@ -20,7 +20,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvstrata.cluster.engine_service import Delta, Draining, EngineService, Overloaded, StreamItem, chat_cache_pins
+from kvstrata.cluster.engine_service import (
+    Delta,
+    Draining,
+    EngineFailed,
+    EngineService,
+    Overloaded,
+    StreamItem,
+    chat_cache_pins,
+)
 from kvstrata.cluster.http_runs import ClientGone, Runs, unless_disconnected
 from kvstrata.cluster.metrics import CONTENT_TYPE, ServingMetrics
 from kvstrata.cluster.openai_protocol import (
@@ -216,7 +224,8 @@ class OpenAIServer:
                     yield _sse({"id": request_id, "object": chunk_object, "created": created,
                                 "model": self.model_name, "choices": [], "usage": usage.to_json()})
             except Exception as e:  # after the headers: report in the stream
-                yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
+                code, kind = (503, "unavailable_error") if isinstance(e, EngineFailed) else (500, "server_error")
+                yield _sse({"error": {"message": str(e), "type": kind, "param": None, "code": code}})
             finally:
                 await runs.aclose()
             yield b"data: [DONE]\n\n"
@@ -406,6 +415,10 @@ class OpenAIServer:
 
         @app.exception_handler(Draining)
         async def on_draining(request: Request, exc: Draining) -> JSONResponse:
+            return error_response(503, str(exc), "unavailable_error", headers={"Retry-After": "5"})
+
+        @app.exception_handler(EngineFailed)
+        async def on_engine_failed(request: Request, exc: EngineFailed) -> JSONResponse:
             return error_response(503, str(exc), "unavailable_error", headers={"Retry-After": "5"})
 
         @app.exception_handler(ClientGone)

@@ -270,7 +270,7 @@ async def _serve(llm, opts: dict[str, Any], auth) -> int:
     name = opts["served_model_name"] or opts["model"]
     metrics = ServingMetrics(name)
     service = EngineService(llm.engine, max_waiting=opts["max_waiting"], max_tokens_limit=opts["max_tokens_limit"],
-                            metrics=metrics)
+                            metrics=metrics, recover=llm.recover)
     grpc_server = health = http = http_task = None
     scheme = "https" if opts["tls_cert"] else "http"
     if not opts["disable_grpc"]:

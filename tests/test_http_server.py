@@ -441,3 +441,38 @@ def test_serve_command_with_config_keys_and_sigterm(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_failed_engine_step_is_503_on_both_apis_and_the_service_recovers(llm):
+    import grpc
+
+    calls: list[Exception] = []
+    server = LiveServer(llm, recover=calls.append)
+    real = llm.engine.step
+    fails = [2]
+
+    def step():
+        if fails[0]:
+            fails[0] -= 1
+            raise RuntimeError("device lost")
+        return real()
+
+    llm.engine.step = step
+    try:
+        r = httpx.post(server.base_url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3},
+                       timeout=60)
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert r.json()["error"]["type"] == "unavailable_error" and "device lost" in r.json()["error"]["message"]
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                list(pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+                    text=PROMPT, sampling=pb.SamplingOptions(max_tokens=3)), timeout=60))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert [str(c) for c in calls] == ["device lost", "device lost"]  # recover ran after each failure
+        ok = httpx.post(server.base_url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3},
+                        timeout=60)
+        assert ok.status_code == 200
+        wait_for_used_blocks(llm, 0)
+    finally:
+        llm.engine.step = real
+        server.stop()

@@ -242,3 +242,31 @@ def test_generate_command_with_tp2_prints_what_tp1_prints(ray_local, gqa4, capsy
     one = capsys.readouterr().out
     assert main([*args, "--tp", "2"]) == 0
     assert capsys.readouterr().out == one and '"token_ids"' in one
+
+
+def test_a_server_at_tp2_fails_in_flight_requests_and_recovers_when_a_rank_dies(ray_local, gqa4):
+    import httpx
+
+    from kvstrata import LLM
+    from tests.servers import LiveServer
+
+    path, _ = gqa4
+    two = LLM(str(path), num_gpu_blocks=64, dtype="float32", tensor_parallel_size=2)
+    server = LiveServer(two, model_names=(str(path),), recover=two.recover)
+    try:
+        body = {"model": str(path), "prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0}
+        url = server.base_url + "/v1/completions"
+        first = httpx.post(url, json=body, timeout=60)
+        assert first.status_code == 200
+        old = two.group
+        ray_local.kill(old.actors[0])
+        failed = httpx.post(url, json={**body, "max_tokens": 64}, timeout=60)
+        assert failed.status_code == 503 and "rank 1" in failed.json()["error"]["message"]
+        deadline = time.monotonic() + 60
+        while two.group is old and time.monotonic() < deadline:  # the engine thread restarts the ranks
+            time.sleep(0.2)
+        again = httpx.post(url, json=body, timeout=60)
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    finally:
+        server.stop()
+        two.close()

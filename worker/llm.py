@@ -168,6 +168,11 @@ class LLM:
         if self.group is not None:
             self.group.close()
 
+    def recover(self, error: Exception) -> None:
+        """After a step failed with `error`: restart the tensor-parallel ranks if one of them died."""
+        if self.group is not None and self.group.failed is not None:
+            self.restart_workers()
+
     def restart_workers(self) -> None:
         """After a tensor-parallel rank died: abort every request (their KV is gone with it), drop the
         prefix cache, and start the other ranks again."""
