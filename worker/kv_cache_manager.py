@@ -64,6 +64,12 @@ class KVCacheManager:
         self.num_prompt_tokens_hit = 0
         self.tiers: TierManager | None = None
 
+    def attach_events(self, recorder) -> None:
+        """Record KV events (stored, removed, moved between tiers) for the shared prefix index."""
+        self.pool.prefix_cache.recorder = recorder
+        if self.tiers is not None:
+            self.tiers.recorder = recorder
+
     def attach_tiers(self, tiers: TierManager) -> None:
         """Keep evicted blocks in the tiers below, and look requests up in them."""
         self.tiers = tiers

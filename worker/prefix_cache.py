@@ -17,6 +17,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+HBM_TIER = 1  # kvstrata.v1.Tier.TIER_HBM, for KV events
+
 
 @dataclass(slots=True, eq=False)
 class KVBlock:
@@ -55,6 +57,8 @@ class PrefixCache:
         # (last_access, block_id) of blocks that were evictable when pushed; validated lazily
         self._leaf_heap: list[tuple[int, int]] = []
         self._id_to_block: dict[int, KVBlock] = {}
+        # KV events for the shared index (an EventRecorder), when this worker publishes them
+        self.recorder = None
 
     def __len__(self) -> int:
         return len(self.hash_to_block)
@@ -81,9 +85,12 @@ class PrefixCache:
         (parent.children if parent is not None else self._roots)[block_hash] = block
         self.hash_to_block[block_hash] = block
         self._id_to_block[block.block_id] = block
+        if self.recorder is not None:
+            self.recorder.stored([block_hash], parent.block_hash if parent is not None else None, HBM_TIER)
 
-    def remove(self, block: KVBlock) -> None:
-        """Drop a leaf from the tree; its parent may become an evictable leaf."""
+    def remove(self, block: KVBlock, demoted: bool = False) -> None:
+        """Drop a leaf from the tree; its parent may become an evictable leaf. `demoted`: a tier
+        below takes it, and says so in the KV events itself."""
         assert block.block_hash is not None and not block.children, "only cached leaves are removed"
         h = block.block_hash
         parent = block.parent
@@ -93,6 +100,8 @@ class PrefixCache:
         block.block_hash = None
         block.parent = None
         block.hits = 0
+        if self.recorder is not None and not demoted:
+            self.recorder.removed([h], HBM_TIER)
         if parent is not None and parent.is_evictable:
             self.push_leaf(parent)
 
@@ -111,7 +120,7 @@ class PrefixCache:
                 if record is not None:
                     parent_hash = block.parent.block_hash if block.parent is not None else None
                     record.append(EvictedBlock(block.block_id, block.block_hash, parent_hash, block.hits))
-                self.remove(block)
+                self.remove(block, demoted=record is not None)
                 return block
         return None
 

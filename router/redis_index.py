@@ -1,0 +1,456 @@
+"""The shared prefix index in Redis: workers publish KV events, routers mirror them.
+
+Keys, under a per-deployment prefix P:
+
+    P:workers          hash   worker id -> WorkerRecord (its current incarnation, hash-spec version)
+    P:alive:<worker>   string the live incarnation, with a TTL the worker keeps refreshing
+    P:blocks:<worker>  hash   block hash -> IndexEntry (every tier the worker holds it in, its parent)
+    P:events           stream one KVEventBatch per entry (field "b"), trimmed to about max_stream_len
+
+A publisher keeps its worker's own holdings in memory, and each publish is one MULTI: the changed
+entries of P:blocks:<worker>, the batch on P:events and the heartbeat. So the hash is always a
+snapshot and the stream says what changed since. A follower (one per router) loads a snapshot
+(the stream's last id, then the workers and their hashes), then reads the stream from that id;
+replaying a batch already in the snapshot is harmless, because stored and removed are idempotent.
+
+Stale data: batches of an incarnation other than the registered one are dropped; a gap in a
+worker's sequence numbers, or a `cleared` event, reloads that worker's hash; a worker whose heartbeat
+expired is forgotten. When Redis is unreachable the publisher keeps recording and the follower
+reports itself unhealthy (routing falls back to load); on reconnect the publisher rewrites its whole
+hash and the follower reloads everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from kvstrata.protos.v1 import kv_events_pb2 as ev
+from kvstrata.router.events import EventRecorder, decode_batch, decode_entry, encode_batch, encode_entry
+from kvstrata.router.index import PrefixIndex, WorkerMatch
+from kvstrata.worker.block_hash import HASH_SPEC_VERSION
+
+log = logging.getLogger(__name__)
+
+STREAM_FIELD = b"b"
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Where the index lives and how to reach it. TLS: a rediss:// URL (and tls_ca for a private CA)."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "kvstrata"
+    username: str | None = None
+    password: str | None = None  # AUTH; or in the URL
+    tls_ca: str | None = None
+    socket_timeout_s: float = 0.5
+    connect_timeout_s: float = 0.5
+    max_connections: int = 8
+
+    def __post_init__(self):
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {self.url!r}")
+        if not self.prefix or any(c.isspace() for c in self.prefix):
+            raise ValueError(f"redis prefix must be a non-empty word, got {self.prefix!r}")
+
+    def client(self):
+        import redis
+
+        kwargs = dict(socket_timeout=self.socket_timeout_s, socket_connect_timeout=self.connect_timeout_s,
+                      max_connections=self.max_connections, health_check_interval=5)
+        if self.username is not None:
+            kwargs["username"] = self.username
+        if self.password is not None:
+            kwargs["password"] = self.password
+        if self.url.startswith("rediss://") and self.tls_ca:
+            kwargs["ssl_ca_certs"] = self.tls_ca
+        return redis.Redis(connection_pool=redis.ConnectionPool.from_url(self.url, **kwargs))
+
+    # -- keys ----------------------------------------------------------------------------------
+    @property
+    def events_key(self) -> str:
+        return f"{self.prefix}:events"
+
+    @property
+    def workers_key(self) -> str:
+        return f"{self.prefix}:workers"
+
+    def blocks_key(self, worker_id: str) -> str:
+        return f"{self.prefix}:blocks:{worker_id}"
+
+    def alive_key(self, worker_id: str) -> str:
+        return f"{self.prefix}:alive:{worker_id}"
+
+
+def _redis_errors() -> tuple[type[BaseException], ...]:
+    import redis
+
+    return (redis.RedisError, OSError)
+
+
+class _Backoff:
+    def __init__(self, first: float = 0.2, most: float = 5.0):
+        self.first, self.most, self.delay = first, most, first
+
+    def failed(self) -> float:
+        delay, self.delay = self.delay, min(self.most, self.delay * 2)
+        return delay
+
+    def reset(self) -> None:
+        self.delay = self.first
+
+
+# -- the worker side --------------------------------------------------------------------------------
+
+class KVEventPublisher:
+    """Publishes one worker's recorded events to Redis from a background thread."""
+
+    def __init__(self, settings: RedisSettings, worker_id: str, recorder: EventRecorder,
+                 incarnation: str | None = None, interval_s: float = 0.05, heartbeat_ttl_s: float = 10.0,
+                 max_stream_len: int = 100_000):
+        if not worker_id or ":" in worker_id:
+            raise ValueError(f"worker_id must be non-empty without ':', got {worker_id!r}")
+        self.settings = settings
+        self.worker_id = worker_id
+        self.incarnation = incarnation or uuid.uuid4().hex
+        self.recorder = recorder
+        self.interval_s = interval_s
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.max_stream_len = max_stream_len
+        self.mine = PrefixIndex()  # what this worker holds, as its events say
+        self._dirty: dict[bytes, None] = {}
+        self._pending: list[ev.KVEvent] = []
+        self._sequence = 0
+        self._synced = False  # P:blocks:<worker> matches `mine` (else rewrite it whole)
+        self._client = settings.client()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._last_heartbeat = 0.0
+        self._loops = 0  # passes of the thread, for flush
+        self.num_batches = self.num_failures = 0
+        self._thread = threading.Thread(target=self._run, name=f"kvstrata-kv-events-{worker_id}", daemon=True)
+
+    def start(self) -> KVEventPublisher:
+        self._thread.start()
+        return self
+
+    @property
+    def connected(self) -> bool:
+        return self._synced
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Publish what is recorded now; True once it is in Redis (False: Redis is unreachable)."""
+        deadline = time.monotonic() + timeout
+        start = self._loops
+        while time.monotonic() < deadline:
+            self._wake.set()
+            # two whole passes of the thread after the call: the second began after everything recorded
+            if self._loops >= start + 2 and self._synced and not self._pending and not self._dirty:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def close(self, unregister: bool = True) -> None:
+        """Stop; with unregister, remove this worker from the index (a clean shutdown)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if unregister:
+            s = self.settings
+            try:
+                pipe = self._client.pipeline(transaction=True)
+                pipe.hdel(s.workers_key, self.worker_id)
+                pipe.delete(s.blocks_key(self.worker_id), s.alive_key(self.worker_id))
+                pipe.execute()
+            except _redis_errors():
+                pass
+        self._client.close()
+
+    # -- the thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = _Backoff()
+        while not self._stop.is_set():
+            self._collect()
+            try:
+                if not self._synced:
+                    self._resync()
+                    backoff.reset()
+                if self._pending or self._dirty or time.monotonic() - self._last_heartbeat > self.heartbeat_ttl_s / 3:
+                    self._publish()
+            except _redis_errors() as e:
+                self.num_failures += 1
+                if self._synced:
+                    log.warning("KV event publisher for %s lost Redis (%s); will resync", self.worker_id, e)
+                self._synced = False
+                self._loops += 1
+                self._stop.wait(backoff.failed())
+                continue
+            self._loops += 1
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+        self._collect()
+        try:
+            if self._synced and (self._pending or self._dirty):
+                self._publish()
+        except _redis_errors():
+            pass
+
+    def _collect(self) -> None:
+        for event in self.recorder.drain():
+            self.mine.apply(self.worker_id, event)
+            kind = event.WhichOneof("kind")
+            if kind == "cleared":  # the engine dropped everything: rewrite (empty) the hash whole
+                self._dirty.clear()
+                self._pending.clear()
+                self._synced = False
+                continue
+            self._pending.append(event)
+            for h in getattr(event, kind).block_hashes:
+                self._dirty[h] = None
+
+    def _entry(self, h: bytes) -> bytes | None:
+        tiers = self.mine.tiers_of(self.worker_id, h)
+        return encode_entry(tiers, self.mine.parent_of(h)) if tiers else None
+
+    def _resync(self) -> None:
+        """Register this incarnation and rewrite the worker's whole hash from `mine`."""
+        s, w = self.settings, self.worker_id
+        record = ev.WorkerRecord(encoding_version=1, worker_id=w, incarnation=self.incarnation,
+                                 hash_spec_version=HASH_SPEC_VERSION, started_at=time.time())
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hset(s.workers_key, w, record.SerializeToString())
+        pipe.delete(s.blocks_key(w))
+        blocks = self.mine.blocks_of(w)
+        for i in range(0, len(blocks), 1000):
+            pipe.hset(s.blocks_key(w), mapping={h: self._entry(h) for h in blocks[i:i + 1000]})
+        self._sequence += 1
+        pipe.xadd(s.events_key, {STREAM_FIELD: encode_batch(w, self.incarnation, self._sequence,
+                                                            [ev.KVEvent(cleared=True)])},
+                  maxlen=self.max_stream_len, approximate=True)
+        pipe.set(s.alive_key(w), self.incarnation, px=int(self.heartbeat_ttl_s * 1000))
+        pipe.execute()
+        self._pending.clear()
+        self._dirty.clear()
+        self._synced = True
+        self._last_heartbeat = time.monotonic()
+        self.num_batches += 1
+
+    def _publish(self) -> None:
+        s, w = self.settings, self.worker_id
+        pipe = self._client.pipeline(transaction=True)
+        for h in self._dirty:
+            entry = self._entry(h)
+            if entry is None:
+                pipe.hdel(s.blocks_key(w), h)
+            else:
+                pipe.hset(s.blocks_key(w), h, entry)
+        if self._pending:
+            self._sequence += 1
+            pipe.xadd(s.events_key, {STREAM_FIELD: encode_batch(w, self.incarnation, self._sequence, self._pending)},
+                      maxlen=self.max_stream_len, approximate=True)
+        pipe.set(s.alive_key(w), self.incarnation, px=int(self.heartbeat_ttl_s * 1000))
+        pipe.execute()
+        self._last_heartbeat = time.monotonic()
+        if self._pending:
+            self.num_batches += 1
+        self._pending = []
+        self._dirty = {}
+
+
+# -- the router side --------------------------------------------------------------------------------
+
+@dataclass
+class FollowerCounters:
+    resyncs: int = 0
+    batches: int = 0
+    stale_batches: int = 0  # an incarnation other than the registered one, or another hash spec
+    bad_batches: int = 0  # undecodable
+    gaps: int = 0  # a worker's sequence skipped: its hash was reloaded
+    dead_workers: int = 0  # heartbeats that expired
+    failures: int = 0  # Redis errors
+
+
+class IndexFollower:
+    """A router's mirror of the shared index, kept current from Redis by a background thread."""
+
+    def __init__(self, settings: RedisSettings, block_ms: int = 200, liveness_interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self.block_ms = block_ms
+        self.liveness_interval_s = liveness_interval_s
+        self._clock = clock
+        self.index = PrefixIndex()
+        self.incarnations: dict[str, str] = {}
+        self._last_seq: dict[str, int] = {}
+        self._last_id = b"0-0"
+        self._lock = threading.Lock()
+        self._client = settings.client()
+        self._synced = False
+        self._stop = threading.Event()
+        self._last_liveness = 0.0
+        self.counters = FollowerCounters()
+        self._thread = threading.Thread(target=self._run, name="kvstrata-index-follower", daemon=True)
+
+    def start(self) -> IndexFollower:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._client.close()
+
+    @property
+    def healthy(self) -> bool:
+        """Synced with Redis: its matches are current. Unhealthy: route by load."""
+        return self._synced
+
+    def wait_synced(self, timeout: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._synced:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def match(self, hashes: list[bytes], workers: list[str] | None = None) -> dict[str, WorkerMatch]:
+        with self._lock:
+            return self.index.match(hashes, workers)
+
+    def workers(self) -> list[str]:
+        with self._lock:
+            return sorted(self.incarnations)
+
+    # -- the thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = _Backoff()
+        while not self._stop.is_set():
+            try:
+                if not self._synced:
+                    self.resync()
+                    backoff.reset()
+                self._follow()
+                if self._clock() - self._last_liveness >= self.liveness_interval_s:
+                    self._check_liveness()
+            except _redis_errors() as e:
+                self.counters.failures += 1
+                if self._synced:
+                    log.warning("prefix index lost Redis (%s); routing by load until it returns", e)
+                self._synced = False
+                self._stop.wait(backoff.failed())
+
+    def resync(self) -> None:
+        """A fresh snapshot: the stream position first, then the live workers' hashes."""
+        s, r = self.settings, self._client
+        last = r.xrevrange(s.events_key, count=1)
+        last_id = last[0][0] if last else b"0-0"
+        index = PrefixIndex()
+        incarnations: dict[str, str] = {}
+        for wid, raw in r.hgetall(s.workers_key).items():
+            w = wid.decode()
+            record = ev.WorkerRecord()
+            try:
+                record.ParseFromString(raw)
+            except Exception:  # noqa: BLE001 - a corrupt record: that worker re-registers on its next resync
+                continue
+            if record.hash_spec_version != HASH_SPEC_VERSION:
+                continue
+            alive = r.get(s.alive_key(w))
+            if alive is None or alive.decode() != record.incarnation:
+                continue  # dead, or mid-restart: its next registration brings it back
+            incarnations[w] = record.incarnation
+            self._load_worker(index, w)
+        with self._lock:
+            self.index = index
+            self.incarnations = incarnations
+            self._last_seq = {}
+            self._last_id = last_id
+        self.counters.resyncs += 1
+        self._synced = True
+        self._last_liveness = self._clock()
+
+    def _load_worker(self, index: PrefixIndex, w: str) -> None:
+        for h, raw in self._client.hgetall(self.settings.blocks_key(w)).items():
+            try:
+                entry = decode_entry(raw)
+            except ValueError:
+                continue
+            index.put_entry(w, h, entry.parent_hash or None, set(entry.tiers))
+
+    def _reload_worker(self, w: str) -> None:
+        fresh = PrefixIndex()
+        self._load_worker(fresh, w)
+        with self._lock:
+            self.index.clear_worker(w)
+            for h in fresh.blocks_of(w):
+                self.index.put_entry(w, h, fresh.parent_of(h), fresh.tiers_of(w, h))
+
+    def _follow(self) -> None:
+        s = self.settings
+        got = self._client.xread({s.events_key: self._last_id}, count=256, block=self.block_ms)
+        for _, entries in got or ():
+            for entry_id, fields in entries:
+                self._last_id = entry_id
+                self._apply(fields.get(STREAM_FIELD, b""))
+
+    def _apply(self, data: bytes) -> None:
+        try:
+            batch = decode_batch(data)
+        except ValueError:
+            self.counters.bad_batches += 1
+            return
+        if batch.hash_spec_version != HASH_SPEC_VERSION:
+            self.counters.stale_batches += 1
+            return
+        w = batch.worker_id
+        if self.incarnations.get(w) != batch.incarnation:
+            if not self._adopt(w, batch.incarnation):
+                self.counters.stale_batches += 1
+                return
+        self.counters.batches += 1
+        last = self._last_seq.get(w)
+        self._last_seq[w] = batch.sequence
+        if last is not None and batch.sequence != last + 1:
+            self.counters.gaps += 1
+            self._reload_worker(w)
+            return
+        for event in batch.events:
+            if event.WhichOneof("kind") == "cleared":
+                self._reload_worker(w)  # a resync or a reset: the hash holds the whole truth now
+                continue
+            with self._lock:
+                self.index.apply(w, event)
+
+    def _adopt(self, w: str, incarnation: str) -> bool:
+        """A batch from an incarnation we do not know: take it if Redis says it is the current one."""
+        raw = self._client.hget(self.settings.workers_key, w)
+        record = ev.WorkerRecord()
+        if raw is None:
+            return False
+        record.ParseFromString(raw)
+        if record.incarnation != incarnation:
+            return False  # an old incarnation's late batch
+        with self._lock:
+            self.index.clear_worker(w)  # the previous incarnation's blocks are gone with it
+            self.incarnations[w] = incarnation
+        self._last_seq.pop(w, None)
+        return True
+
+    def _check_liveness(self) -> None:
+        self._last_liveness = self._clock()
+        s = self.settings
+        for w, inc in list(self.incarnations.items()):
+            alive = self._client.get(s.alive_key(w))
+            if alive is None or alive.decode() != inc:
+                with self._lock:
+                    self.index.clear_worker(w)
+                    self.incarnations.pop(w, None)
+                self._last_seq.pop(w, None)
+                self.counters.dead_workers += 1
