@@ -40,6 +40,23 @@ class EngineFailed(RuntimeError):
     the caller should answer UNAVAILABLE / HTTP 503: a retry may succeed once the engine recovers."""
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the front ends need to know of the model behind a service (one engine or a cluster)."""
+
+    model_id: str
+    tokenizer: Any
+    config: Any  # ModelConfig
+    dtype: str  # e.g. "float32"
+    max_model_len: int
+    block_size: int
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> ModelInfo:
+        return cls(engine.model_id, engine.tokenizer, engine.config, str(engine.runner.model.dtype).removeprefix("torch."),
+                   engine.scheduler_config.max_model_len, engine.kv.block_size)
+
+
 @dataclass
 class Delta:
     """New output of one sample since the last delta. `finish_reason` is set on its last delta."""
@@ -65,6 +82,7 @@ class StreamItem:
 
     deltas: list[Delta]
     usage: Usage | None = None
+    worker: str = ""  # in a cluster, the worker that serves the request
 
 
 class _Tracked:
@@ -121,7 +139,7 @@ class _Tracked:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
 
-class _Timer:
+class RequestTimer:
     """Latency of one request as its consumer sees it, fed to the metrics histograms."""
 
     def __init__(self, metrics: ServingMetrics | None, num_prompt_tokens: int):
@@ -161,6 +179,7 @@ class EngineService:
         """`recover(e)`, if given, runs on the engine thread after a step failed with e (and its
         requests were failed): e.g. restarting a tensor-parallel group whose rank died."""
         self.engine = engine
+        self.model_info = ModelInfo.of(engine)
         self.metrics = metrics
         self.recover = recover
         self.max_waiting = max_waiting
@@ -187,7 +206,7 @@ class EngineService:
                        cache_pins: list[tuple[int, float]] | None = None, tenant: str = "") -> AsyncIterator[StreamItem]:
         """Stream one request. Raises ValueError for bad input, Overloaded or Draining before any
         output; cancelling the consumer (client gone, deadline) aborts the request and frees its blocks."""
-        timer = _Timer(self.metrics, len(prompt_token_ids))
+        timer = RequestTimer(self.metrics, len(prompt_token_ids))
         if self.draining or self._stopping:
             timer.reject("draining")
             raise Draining("the server is draining and admits no new requests")

@@ -18,6 +18,8 @@ from kvstrata.protos.v1 import generation_pb2 as pb
 from kvstrata.protos.v1 import generation_pb2_grpc as pb_grpc
 from kvstrata.worker.sampling_params import SamplingParams
 
+WORKER_METADATA = "x-kvstrata-worker"  # trailing metadata in a cluster: the worker that served the call
+
 MAX_MESSAGE_BYTES = 16 << 20
 SERVICE_NAMES = ("kvstrata.v1.Generation", "kvstrata.v1.Admin")
 
@@ -54,8 +56,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, service: EngineService, auth: TenantAuth):
         self.service = service
         self.auth = auth
-        self.engine = service.engine
-        self.tokenizer = service.engine.tokenizer
+        self.info = service.model_info
+        self.tokenizer = service.model_info.tokenizer
 
     def _prompt(self, request: pb.GenerateRequest) -> tuple[list[int], str | None]:
         kind = request.WhichOneof("prompt")
@@ -92,6 +94,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         tenant = await authenticate(self.auth, context)
+        served_by = ""
         try:
             prompt_ids, text = self._prompt(request)
             params = sampling_params(request.sampling)
@@ -100,6 +103,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             pins = self._cache_pins(request, prompt_ids)
             async for item in self.service.generate(prompt_ids, params, request_id=rid, prompt=text, cache_salt=salt,
                                                     cache_pins=pins, tenant=tenant.name):
+                if item.worker and not served_by:
+                    served_by = item.worker
+                    context.set_trailing_metadata(((WORKER_METADATA, served_by),))
                 for d in item.deltas:
                     yield _response(d, rid)
                 if item.usage is not None:
@@ -131,11 +137,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         await authenticate(self.auth, context)
-        c = self.engine.config
+        c = self.info.config
         return pb.ModelInfo(
-            model_id=self.engine.model_id, dtype=str(self.engine.runner.model.dtype).removeprefix("torch."),
-            max_model_len=self.engine.scheduler_config.max_model_len, vocab_size=c.vocab_size,
-            block_size=self.engine.kv.block_size, num_layers=c.num_layers, num_heads=c.num_heads,
+            model_id=self.info.model_id, dtype=self.info.dtype,
+            max_model_len=self.info.max_model_len, vocab_size=c.vocab_size,
+            block_size=self.info.block_size, num_layers=c.num_layers, num_heads=c.num_heads,
             num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, max_tokens_limit=self.service.max_tokens_limit)
 
 

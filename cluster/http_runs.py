@@ -24,6 +24,11 @@ class Runs:
     def __init__(self, started: list[tuple[AsyncIterator[StreamItem], StreamItem]]):
         self.started = started
 
+    @property
+    def workers(self) -> list[str]:
+        """In a cluster, the workers serving these requests (known from each one's first output)."""
+        return sorted({first.worker for _, first in self.started if first.worker})
+
     @classmethod
     async def start(cls, service: EngineService, prompts: list[tuple[list[int], str | None]],
                     params: SamplingParams, cache_salt: str, request_id: str,

@@ -43,7 +43,7 @@ from kvstrata.cluster.openai_protocol import (
 from kvstrata.cluster.tenants import PermissionDenied, Tenant, TenantAuth, Unauthenticated, bearer_token
 from kvstrata.worker.sampling_params import SamplingParams
 
-
+WORKER_HEADER = "x-kvstrata-worker"  # in a cluster: the worker(s) that served the request
 MAX_BODY_BYTES = 16 << 20  # as the gRPC message cap
 
 
@@ -124,8 +124,8 @@ class OpenAIServer:
         if not model_names:
             raise ValueError("model_names must name at least one model")
         self.service = service
-        self.engine = service.engine
-        self.tokenizer = service.engine.tokenizer
+        self.info = service.model_info
+        self.tokenizer = service.model_info.tokenizer
         self.model_names = list(dict.fromkeys(model_names))
         self.auth = auth or TenantAuth()
         self.metrics = metrics or service.metrics
@@ -185,6 +185,7 @@ class OpenAIServer:
         n = params.n
         runs = await unless_disconnected(request, Runs.start(self.service, prompts, params, salt, request_id,
                                                                cache_pins, tenant.name))
+        served_by = {WORKER_HEADER: ",".join(runs.workers)} if runs.workers else {}
         if not req.stream:
             async def collect() -> Response:
                 choices = [_Choice() for _ in range(len(prompts) * n)]
@@ -197,7 +198,7 @@ class OpenAIServer:
                         c.logprobs += d.logprobs
                         c.finish_reason = d.finish_reason or c.finish_reason
                     usage.add(item)
-                return JSONResponse(render(choices, usage, request_id, created))
+                return JSONResponse(render(choices, usage, request_id, created), headers=served_by)
 
             try:
                 return await unless_disconnected(request, collect())
@@ -231,7 +232,7 @@ class OpenAIServer:
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **served_by})
 
     # -- endpoints -------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request, tenant: Tenant) -> Response:
@@ -328,7 +329,7 @@ class OpenAIServer:
         pins = chat_cache_pins(self.tokenizer, messages, [m.breakpoint_ttl() for m in req.messages], ids)
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
         if max_tokens is None:  # as many as fit
-            room = self.engine.scheduler_config.max_model_len - len(ids)
+            room = self.info.max_model_len - len(ids)
             max_tokens = max(1, min(self.service.max_tokens_limit, room))
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
@@ -373,9 +374,9 @@ class OpenAIServer:
                                first_chunks, pins)
 
     def models(self) -> dict[str, Any]:
-        max_len = self.engine.scheduler_config.max_model_len
+        max_len = self.info.max_model_len
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvstrata",
-                                            "root": self.engine.model_id, "max_model_len": max_len}
+                                            "root": self.info.model_id, "max_model_len": max_len}
                                            for name in self.model_names]}
 
     async def metrics_text(self) -> Response:

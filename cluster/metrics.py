@@ -65,6 +65,27 @@ class _EngineCollector(Collector):
         yield counter("kvstrata:kv_block_evictions", "Cached blocks evicted to make room.", s["num_evictions"])
         if "tiers" in s:
             yield from _tier_metrics(self.model_name, s["tiers"])
+        if "workers" in s:
+            yield from _worker_metrics(self.model_name, s["workers"], s.get("requests_by_worker", {}))
+
+
+def _worker_metrics(model_name: str, workers: dict[str, dict[str, Any]], requests: dict[str, int]) -> Iterator[Metric]:
+    """A cluster's requests and prefix-cache lookups by worker, labelled worker="kvstrata-worker-<i>"."""
+    names = ["model_name", "worker"]
+    fams = [
+        (CounterMetricFamily("kvstrata:worker_requests", "Requests routed to the worker.", labels=names),
+         lambda w, st: requests.get(w, 0)),
+        (CounterMetricFamily("kvstrata:worker_prefix_cache_queries", "Prompt tokens the worker looked up in its "
+                             "prefix cache.", labels=names), lambda w, st: st["prefix_cache_queries"]),
+        (CounterMetricFamily("kvstrata:worker_prefix_cache_hits", "Prompt tokens the worker found in its prefix "
+                             "cache (any tier).", labels=names), lambda w, st: st["prefix_cache_hits"]),
+        (GaugeMetricFamily("kvstrata:worker_kv_cache_usage_perc", "Fraction of the worker's KV blocks in use.",
+                           labels=names), lambda w, st: st["kv_usage"]),
+    ]
+    for family, value in fams:
+        for w, st in sorted(workers.items()):
+            family.add_metric([model_name, w], value(w, st))
+        yield family
 
 
 def _tier_metrics(model_name: str, tiers: dict[str, Any]) -> Iterator[Metric]:

@@ -102,6 +102,16 @@ OPTIONS = [
            ("float32", "bfloat16", "float16")),
     Option("num_gpu_blocks", _positive, None, "cap the KV pool at this many blocks (per rank with --tp)"),
     Option("tp", _positive, 1, "tensor-parallel ranks: this process and tp - 1 Ray actors"),
+    Option("workers", _positive, 1, "worker groups; more than 1 (or --redis, --address) runs a cluster on Ray"),
+    Option("routers", _positive, 1, "router actors of a cluster"),
+    Option("routing_policy", _text, "prefix_aware", "how routers place requests",
+           ("prefix_aware", "round_robin", "least_loaded", "power_of_two")),
+    Option("redis", _text, None, "the shared prefix index: redis://[user:password@]host:port/db, or rediss:// for "
+           "TLS (default: an in-process index fed by the workers)"),
+    Option("redis_prefix", _text, "kvstrata", "key prefix of this deployment in Redis"),
+    Option("redis_password", _text, None, "Redis AUTH password (better: KVSTRATA_REDIS_PASSWORD)"),
+    Option("redis_tls_ca", _text, None, "CA certificate for a rediss:// Redis"),
+    Option("address", _text, None, "a Ray cluster to join, e.g. 10.0.0.1:6379 (default: start a local Ray)"),
     Option("max_model_len", _positive, None, "context limit (default: the model's)"),
     Option("cpu_kv_bytes", _size, None, "a DRAM tier of this size under the KV pool (e.g. 8GiB)"),
     Option("nvme_kv_dir", _text, None, "an NVMe tier of KV block files in this directory (needs --cpu-kv-bytes)"),
@@ -225,6 +235,36 @@ def _check_tls(opts: dict[str, Any]) -> None:
         raise ValueError("disable_grpc and disable_http: at least one front end must be on")
 
 
+def _llm_kwargs(opts: dict[str, Any]) -> dict[str, Any]:
+    return dict(model=opts["model"], dtype=opts["dtype"], num_gpu_blocks=opts["num_gpu_blocks"],
+                max_model_len=opts["max_model_len"], cpu_kv_bytes=opts["cpu_kv_bytes"],
+                nvme_kv_dir=opts["nvme_kv_dir"], nvme_kv_bytes=opts["nvme_kv_bytes"],
+                pin_quota_bytes=opts["pin_quota_bytes"], nvme_admission=opts["nvme_admission"],
+                tensor_parallel_size=opts["tp"])
+
+
+def is_cluster(opts: dict[str, Any]) -> bool:
+    """More than one worker, a shared Redis index or a Ray cluster to join: the Ray cluster path."""
+    return opts["workers"] > 1 or opts["redis"] is not None or opts["address"] is not None
+
+
+def cluster_spec(opts: dict[str, Any]):
+    from kvstrata.cluster.cluster_service import ClusterSpec
+    from kvstrata.router.redis_index import RedisSettings
+
+    redis = None
+    if opts["redis"] is not None:
+        settings = RedisSettings(url=opts["redis"], prefix=opts["redis_prefix"], password=opts["redis_password"],
+                                 tls_ca=opts["redis_tls_ca"])  # ValueError naming the field
+        redis = {"url": settings.url, "prefix": settings.prefix, "password": settings.password,
+                 "tls_ca": settings.tls_ca}
+    if opts["nvme_kv_dir"] is not None and opts["workers"] > 1:
+        raise ValueError("nvme_kv_dir: each worker needs a directory of its own; not supported with --workers yet")
+    return ClusterSpec(opts["workers"], _llm_kwargs(opts), num_routers=opts["routers"],
+                       routing_policy=opts["routing_policy"], redis=redis, address=opts["address"],
+                       max_waiting=opts["max_waiting"], max_tokens_limit=opts["max_tokens_limit"])
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from kvstrata.worker.llm import LLM
 
@@ -232,11 +272,9 @@ def run_serve(args: argparse.Namespace) -> int:
     _check_tls(opts)
     auth = build_auth(opts)
     logging.basicConfig(level=opts["log_level"].upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    llm = LLM(opts["model"], dtype=opts["dtype"], num_gpu_blocks=opts["num_gpu_blocks"],
-              max_model_len=opts["max_model_len"], cpu_kv_bytes=opts["cpu_kv_bytes"],
-              nvme_kv_dir=opts["nvme_kv_dir"], nvme_kv_bytes=opts["nvme_kv_bytes"],
-              pin_quota_bytes=opts["pin_quota_bytes"], nvme_admission=opts["nvme_admission"],
-              tensor_parallel_size=opts["tp"])
+    if is_cluster(opts):
+        return asyncio.run(_serve(None, opts, auth, cluster_spec(opts)))
+    llm = LLM(**_llm_kwargs(opts))
     try:
         return asyncio.run(_serve(llm, opts, auth))
     finally:
@@ -261,7 +299,7 @@ def _uvicorn_server(app, opts: dict[str, Any]):
     return Server(config)
 
 
-async def _serve(llm, opts: dict[str, Any], auth) -> int:
+async def _serve(llm, opts: dict[str, Any], auth, cluster=None) -> int:
     from kvstrata.cluster.engine_service import EngineService
     from kvstrata.cluster.grpc_server import build_server, server_credentials, set_serving
     from kvstrata.cluster.http_server import OpenAIServer
@@ -269,8 +307,15 @@ async def _serve(llm, opts: dict[str, Any], auth) -> int:
 
     name = opts["served_model_name"] or opts["model"]
     metrics = ServingMetrics(name)
-    service = EngineService(llm.engine, max_waiting=opts["max_waiting"], max_tokens_limit=opts["max_tokens_limit"],
-                            metrics=metrics, recover=llm.recover)
+    if cluster is not None:
+        from kvstrata.cluster.cluster_service import start_cluster
+
+        service = await asyncio.to_thread(start_cluster, cluster, metrics)
+        print(f"kvstrata cluster: {cluster.num_workers} worker(s), {cluster.num_routers} router(s), "
+              f"{cluster.routing_policy}, index {'in Redis' if cluster.redis else 'in-process'}", flush=True)
+    else:
+        service = EngineService(llm.engine, max_waiting=opts["max_waiting"], max_tokens_limit=opts["max_tokens_limit"],
+                                metrics=metrics, recover=llm.recover)
     grpc_server = health = http = http_task = None
     scheme = "https" if opts["tls_cert"] else "http"
     if not opts["disable_grpc"]:
@@ -283,7 +328,7 @@ async def _serve(llm, opts: dict[str, Any], auth) -> int:
         # lines a supervisor (or a test) can wait for
         print(f"kvstrata serving {name} gRPC on {opts['grpc_host']}:{port}", flush=True)
     if not opts["disable_http"]:
-        api = OpenAIServer(service, [name, llm.model_id], auth=auth, metrics=metrics)
+        api = OpenAIServer(service, [name, service.model_info.model_id], auth=auth, metrics=metrics)
         http = _uvicorn_server(api.app, opts)
         http_task = asyncio.create_task(http.serve())
         while not http.started:

@@ -14,8 +14,9 @@ from kvstrata.protos.v1 import generation_pb2_grpc as pb_grpc
 
 class LiveServer:
     def __init__(self, llm, auth=None, grpc_credentials=None, http: bool = True, tls_files=None,
-                 model_names=("smollm2-135m",), **service_kw):
-        """tls_files: (cert, key, client_ca or None) for HTTPS; grpc_credentials for gRPC TLS."""
+                 model_names=("smollm2-135m",), service=None, **service_kw):
+        """tls_files: (cert, key, client_ca or None) for HTTPS; grpc_credentials for gRPC TLS.
+        `service`: serve this one (a ClusterService, say) instead of an EngineService over llm."""
         from kvstrata.cluster.engine_service import EngineService
         from kvstrata.cluster.grpc_server import build_server, set_serving
         from kvstrata.cluster.metrics import ServingMetrics
@@ -23,7 +24,11 @@ class LiveServer:
         self.llm = llm
         self.loop = asyncio.new_event_loop()
         self.metrics = ServingMetrics(model_names[0])
-        self.service = EngineService(llm.engine, metrics=self.metrics, **service_kw)
+        if service is not None:
+            service.metrics = self.metrics
+            self.service = service
+        else:
+            self.service = EngineService(llm.engine, metrics=self.metrics, **service_kw)
         self.http = None
         ready = threading.Event()
         errors: list[BaseException] = []

@@ -93,3 +93,32 @@ def test_without_keys_only_loopback_binds(monkeypatch, capsys):
 def test_inconsistent_tls_and_front_end_options(argv, needle, capsys):
     assert main(["serve", *argv]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_cluster_flags_choose_the_cluster_path_and_build_its_spec():
+    from kvstrata.cluster.serve_cmd import cluster_spec, is_cluster
+
+    assert not is_cluster(_opts([]))
+    assert is_cluster(_opts(["--workers", "2"])) and is_cluster(_opts(["--address", "10.0.0.1:6379"]))
+    opts = _opts(["--redis", "redis://127.0.0.1:6390/0", "--routers", "2", "--routing-policy", "least_loaded"],
+                 {"KVSTRATA_REDIS_PASSWORD": "pw", "KVSTRATA_WORKERS": "3"})
+    spec = cluster_spec(opts)
+    assert (spec.num_workers, spec.num_routers, spec.routing_policy) == (3, 2, "least_loaded")
+    assert spec.redis == {"url": "redis://127.0.0.1:6390/0", "prefix": "kvstrata", "password": "pw", "tls_ca": None}
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--redis", "http://127.0.0.1:6379"], "redis url"),
+    (["--redis", "redis://x", "--redis-prefix", "a b"], "redis prefix"),
+    (["--workers", "2", "--cpu-kv-bytes", "1GiB", "--nvme-kv-dir", "/tmp/x", "--nvme-kv-bytes", "1GiB"], "nvme_kv_dir"),
+])
+def test_bad_cluster_options_name_the_option(argv, needle):
+    from kvstrata.cluster.serve_cmd import cluster_spec
+
+    with pytest.raises(ValueError, match=needle):
+        cluster_spec(_opts(argv))
+
+
+def test_an_unknown_routing_policy_is_refused():
+    with pytest.raises(SystemExit):
+        _opts(["--routing-policy", "random"])

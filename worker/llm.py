@@ -28,14 +28,15 @@ class LLM:
                  max_num_seqs: int = 128, kv_cache_bytes: int | None = None, cpu_kv_bytes: int | None = None,
                  nvme_kv_dir: str | None = None, nvme_kv_bytes: int | None = None,
                  pin_quota_bytes: int | None = None, nvme_admission: str = "reuse",
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, worker_id: str = ""):
         """cpu_kv_bytes adds a DRAM tier under the device pool, and nvme_kv_dir (with nvme_kv_bytes)
         an NVMe tier under that: blocks the pool evicts are kept there and promoted back on a hit.
         pin_quota_bytes caps one tenant's prompt-cache pins (default: all pins' limit, half the lowest tier).
         nvme_admission: "reuse" (a full NVMe tier takes only blocks asked for twice, and pins) or "all".
         tensor_parallel_size > 1 runs the model on that many ranks: this process is rank 0 (the
         scheduler and its shard), the others are Ray actors (a local Ray starts if none is running).
-        KV block counts are then per rank, each rank holding its share of the KV heads."""
+        KV block counts are then per rank, each rank holding its share of the KV heads; the rank
+        actors are named kvstrata-worker-<worker_id>-rank-<r> (worker_id: random when empty)."""
         _check_positive("block_size", block_size)
         if num_gpu_blocks is not None:
             _check_positive("num_gpu_blocks", num_gpu_blocks)
@@ -67,7 +68,7 @@ class LLM:
         runner = ModelRunner(loaded.model, num_gpu_blocks, block_size)
         self.group = None
         if shard is not None:
-            self._tp = (model, tensor_parallel_size, num_gpu_blocks, block_size)
+            self._tp = (model, tensor_parallel_size, num_gpu_blocks, block_size, worker_id)
             self.group = _start_group(runner, *self._tp)
         kv = KVCacheManager(num_gpu_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         sched = SchedulerConfig(
@@ -236,13 +237,13 @@ def _check_tp(model: str, tp: int, cpu_kv_bytes: int | None):
     return plan_shard(load_config(model), tp, 0)
 
 
-def _start_group(runner: ModelRunner, model: str, tp: int, num_blocks: int, block_size: int):
+def _start_group(runner: ModelRunner, model: str, tp: int, num_blocks: int, block_size: int, worker_id: str):
     """The other ranks, joined to this process (rank 0), with the same number of KV blocks."""
     from kvstrata.cluster.tp_group import GroupSpec, WorkerGroup
 
     m = runner.model
     group = WorkerGroup(GroupSpec(model, tp, str(m.dtype).removeprefix("torch."), m.device.type,
-                                  num_blocks, block_size))
+                                  num_blocks, block_size, worker_id))
     m.all_reduce = group.comm.all_reduce
     runner.comm, runner.group = group.comm, group
     group.wait_ready()

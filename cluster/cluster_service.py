@@ -1,0 +1,188 @@
+"""The front ends' service over a cluster: the interface of `EngineService` (generate, cache stats,
+drain), with each request routed by a router actor and streamed from the worker it chose.
+
+    generate(): router.route (round-robin over routers) -> worker.generate, a Ray streaming call
+                of protobuf bytes -> StreamItems with `worker` set -> router.done
+
+`start_cluster` starts (or joins) Ray, the routers, then the workers, and waits until every worker
+has its model loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from kvstrata.cluster.cluster_actors import ROUTER_NAME, WORKER_NAME, RouterActor, WorkerActor
+from kvstrata.cluster.engine_service import Draining, ModelInfo, Overloaded, StreamItem, RequestTimer
+from kvstrata.cluster.wire import decode_item, encode_request
+from kvstrata.worker.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    num_workers: int
+    llm_kwargs: dict[str, Any]
+    num_routers: int = 1
+    routing_policy: str = "prefix_aware"
+    redis: dict[str, Any] | None = None  # RedisSettings fields; None: the embedded (pushed) index
+    address: str | None = None  # a Ray cluster to join; None: start a local one
+    max_waiting: int = 256
+    max_tokens_limit: int = 4096
+    worker_cpus: float = 1.0
+    worker_gpus: float = 0.0
+
+
+class ClusterService:
+    def __init__(self, routers: list, workers: dict[str, Any], model_info: ModelInfo, max_tokens_limit: int,
+                 metrics=None):
+        self.routers = routers
+        self.workers = workers
+        self.model_info = model_info
+        self.max_tokens_limit = max_tokens_limit
+        self.metrics = metrics
+        self.draining = False
+        self._in_flight = 0
+        self._ids = itertools.count()
+        self._next_router = itertools.cycle(range(len(routers)))
+        self.requests_by_worker: dict[str, int] = {w: 0 for w in workers}
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       cache_salt: str = "", prompt: str | None = None,
+                       cache_pins: list[tuple[int, float]] | None = None, tenant: str = "") -> AsyncIterator[StreamItem]:
+        import ray
+
+        timer = RequestTimer(self.metrics, len(prompt_token_ids))
+        if self.draining:
+            timer.reject("draining")
+            raise Draining("the server is draining and admits no new requests")
+        if params.max_tokens > self.max_tokens_limit:
+            timer.reject("invalid")
+            raise ValueError(f"max_tokens must be at most {self.max_tokens_limit}, got {params.max_tokens}")
+        rid = request_id or f"req-{next(self._ids)}"
+        router = self.routers[next(self._next_router)]
+        worker_id, reason = await router.route.remote(rid, prompt_token_ids, cache_salt, tenant)
+        log.debug("%s -> %s (%s)", rid, worker_id, reason)
+        self.requests_by_worker[worker_id] += 1
+        request = encode_request(rid, prompt_token_ids, params, prompt, cache_salt, cache_pins, tenant)
+        stream = self.workers[worker_id].generate.options(num_returns="streaming").remote(request)
+        self._in_flight += 1
+        first = True
+        state = "admitted"  # or "refused", or "done"
+        try:
+            async for ref in stream:
+                try:
+                    item = decode_item(await ref)  # a refusal on the worker raises here, as it would locally
+                except (ValueError, Overloaded, Draining) as e:
+                    state = "refused"
+                    timer.reject({ValueError: "invalid", Overloaded: "overloaded"}.get(type(e), "draining"))
+                    raise
+                if first:
+                    router.first_output.remote(worker_id, rid)
+                    first = False
+                timer.step(item)
+                if item.usage is not None:
+                    state = "done"
+                    timer.finish(next((d.finish_reason for d in item.deltas if d.finish_reason), "stop"))
+                yield item
+        finally:
+            self._in_flight -= 1
+            router.done.remote(worker_id, rid)
+            if state == "admitted":
+                timer.finish("abort")
+                ray.cancel(stream)  # the worker's generator is cancelled, which aborts the request there
+
+    async def cache_stats(self) -> dict[str, Any]:
+        """Totals over the workers, and each worker's own stats under `workers`."""
+        names = sorted(self.workers)
+        per = await asyncio.gather(*(self.workers[w].cache_stats.remote() for w in names))
+        total: dict[str, Any] = {}
+        for s in per:
+            for k, v in s.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    total[k] = total.get(k, 0) + v
+        queried = total.get("prefix_cache_queries", 0)
+        total["prefix_hit_rate"] = total.get("prefix_cache_hits", 0) / queried if queried else 0.0
+        used, blocks = total.get("num_used_blocks", 0), total.get("num_total_blocks", 0)
+        total["kv_usage"] = used / blocks if blocks else 0.0
+        total["kv_utilization"] = sum(s.get("kv_utilization", 1.0) for s in per) / max(1, len(per))
+        total["block_size"] = self.model_info.block_size
+        total["workers"] = dict(zip(names, per))
+        total["requests_by_worker"] = dict(self.requests_by_worker)
+        return total
+
+    async def flush_cache(self) -> int:
+        return sum(await asyncio.gather(*(w.flush_cache.remote() for w in self.workers.values())))
+
+    def drain(self) -> int:
+        self.draining = True
+        return self.num_in_flight
+
+    async def wait_idle(self, timeout: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.num_in_flight:
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def shutdown(self) -> None:
+        import ray
+
+        for handle in [*self.workers.values(), *self.routers]:
+            try:
+                ray.get(handle.close.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - tearing down anyway
+                pass
+            ray.kill(handle)
+
+    async def router_stats(self) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(r.stats.remote() for r in self.routers)))
+
+
+def start_cluster(spec: ClusterSpec, metrics=None) -> ClusterService:
+    """Routers first (workers push their KV events to them), then workers; returns once all are up."""
+    import ray
+
+    from kvstrata.worker.loader import load_config
+
+    if not ray.is_initialized():
+        ray.init(address=spec.address, include_dashboard=False) if spec.address else ray.init(include_dashboard=False)
+    model = spec.llm_kwargs.get("model", "smollm2-135m")
+    block_size = spec.llm_kwargs.get("block_size", 16)
+    config = load_config(model)
+    worker_ids = [WORKER_NAME.format(i) for i in range(spec.num_workers)]
+    router_cls = ray.remote(RouterActor)
+    routers = [router_cls.options(name=ROUTER_NAME.format(j), num_cpus=0, max_concurrency=64)
+               .remote(j, worker_ids, spec.routing_policy, spec.redis, config.model_id, block_size)
+               for j in range(spec.num_routers)]
+    worker_cls = ray.remote(WorkerActor)
+    workers = {w: worker_cls.options(name=w, num_cpus=spec.worker_cpus, num_gpus=spec.worker_gpus,
+                                     max_concurrency=1000)
+               .remote(i, spec.llm_kwargs, spec.redis, [ROUTER_NAME.format(j) for j in range(spec.num_routers)],
+                       spec.max_waiting, spec.max_tokens_limit)
+               for i, w in enumerate(worker_ids)}
+    infos = ray.get([workers[w].model_info.remote() for w in worker_ids])
+    info = infos[0]
+    tokenizer = _tokenizer(model)
+    model_info = ModelInfo(info["model_id"], tokenizer, config, info["dtype"], info["max_model_len"], info["block_size"])
+    return ClusterService(routers, workers, model_info, spec.max_tokens_limit, metrics)
+
+
+def _tokenizer(model: str):
+    from kvstrata.worker.gguf_loader import converted_dir
+    from kvstrata.worker.model_source import resolve_model
+    from kvstrata.worker.tokenizer import Tokenizer
+
+    src = resolve_model(model)
+    return Tokenizer.from_dir(converted_dir(src.path) if src.kind == "gguf" else src.path)

