@@ -94,7 +94,7 @@ def _redis_errors() -> tuple[type[BaseException], ...]:
 
 
 class _Backoff:
-    def __init__(self, first: float = 0.2, most: float = 5.0):
+    def __init__(self, first: float = 0.2, most: float = 2.0):
         self.first, self.most, self.delay = first, most, first
 
     def failed(self) -> float:
@@ -244,6 +244,7 @@ class KVEventPublisher:
     def _publish(self) -> None:
         s, w = self.settings, self.worker_id
         pipe = self._client.pipeline(transaction=True)
+        pipe.hexists(s.workers_key, w)  # gone if Redis restarted empty while this worker was quiet
         for h in self._dirty:
             entry = self._entry(h)
             if entry is None:
@@ -255,12 +256,15 @@ class KVEventPublisher:
             pipe.xadd(s.events_key, {STREAM_FIELD: encode_batch(w, self.incarnation, self._sequence, self._pending)},
                       maxlen=self.max_stream_len, approximate=True)
         pipe.set(s.alive_key(w), self.incarnation, px=int(self.heartbeat_ttl_s * 1000))
-        pipe.execute()
+        registered = pipe.execute()[0]
         self._last_heartbeat = time.monotonic()
         if self._pending:
             self.num_batches += 1
         self._pending = []
         self._dirty = {}
+        if not registered:  # Redis lost this worker's state: rewrite it whole on the next pass
+            log.warning("KV event publisher for %s: Redis forgot this worker; resyncing", w)
+            self._synced = False
 
 
 # -- the router side --------------------------------------------------------------------------------

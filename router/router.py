@@ -97,5 +97,6 @@ class Router:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"policy": self.policy.name, "index_healthy": self.index.healthy,
+                    "index_workers": len(getattr(self.index, "incarnations", ())),
                     "decisions": dict(self.decisions),
                     "in_flight": {w: len(m) for w, m in self._mine.items()}}

@@ -110,7 +110,7 @@ def test_a_block_computed_twice_earns_a_place_on_a_full_disk(tmp_path):
     kv = torch.zeros(1, 2, 4, 1, 1, 2)  # [layers, K/V, blocks, block size, heads, head dim]
     shape = (1, 2, 1, 1, 2)
     host = HostTier(1, shape, torch.float32)
-    nvme = NvmeTier(tmp_path, 4096 + 64, shape, torch.float32)  # room for one block file
+    nvme = NvmeTier(tmp_path, 2 * 4096, shape, torch.float32)  # room for one slot: header, then payload
     tiers = TierManager(kv, host, nvme)
     try:
         def demote(h: bytes) -> None:  # DRAM holds one block, so each demotion spills the one before

@@ -136,17 +136,28 @@ def test_quick_run_greedy_outputs_do_not_depend_on_the_tiers(report):
 @needs_model
 def test_cli_writes_json_and_png(tmp_path, capsys):
     out, png = tmp_path / "tiering.json", tmp_path / "tiering.png"
-    rc = main(["bench", "tiering", "--quick", "--conversations", "2", "--memcpy-mb", "8", "--disk-probe-mb", "4",
+    rc = main(["bench", "tiering", "--quick", "--conversations", "4", "--dram-blocks", "1", "--gpu-blocks", "6", "--memcpy-mb", "8", "--disk-probe-mb", "4",
                "--nvme-dir", str(tmp_path / "nvme"), "--json", str(out), "--plot", str(png)])
     assert rc == 0
     assert "targets:" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert [c["name"] for c in data["configs"]] == ["device", "dram", "nvme"]
-    assert len(data["configs"][0]["turns"]) == 2 * 2 and data["outputs_identical"] is True
+    assert len(data["configs"][0]["turns"]) == 4 * 2 and data["outputs_identical"] is True
     assert {t["name"] for t in data["transfers"]} >= {"DRAM demote", "NVMe read"}
     assert data["references_gb_per_s"]["memcpy"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not any((tmp_path / "nvme" / "kvstrata-bench-tiering").glob("*/*.kvb"))  # no block file left behind
+    # no block left behind: the tier, reopened, finds nothing of its own layout and nothing foreign
+    import torch
+
+    from kvstrata.tiering.nvme import NvmeTier
+    from kvstrata.worker.loader import load_config
+
+    assert data["configs"][2]["tiers"]["nvme"]["writes"] > 0  # the tier did write there
+    c = load_config("smollm2-135m")
+    with NvmeTier(tmp_path / "nvme" / "kvstrata-bench-tiering", 1 << 30, (c.num_layers, 2, 16, c.num_kv_heads,
+                                                                          c.head_dim), torch.float32,
+                  layout_tag=f"{c.model_id}/torch.float32/bs16") as reopened:
+        assert len(reopened) == 0 and reopened.stats()["foreign_files"] == 0
 
 
 @pytest.mark.slow

@@ -144,14 +144,15 @@ def test_two_routers_on_redis_route_alike_and_survive_redis_going_away(ray_local
         for prefix in groups:  # Redis is gone: routing falls back to load, every request still completes
             _ask(server, tiny_model, prefix + [11, 12, 13])
         redis_proc.start()  # an empty Redis: the workers republish, the routers reload
+
+        def recovered() -> bool:
+            return all(s["index_healthy"] and s["index_workers"] == 2
+                       for s in server.run(server.service.router_stats()))
+
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            stats = server.run(server.service.router_stats())
-            if all(s["index_healthy"] for s in stats):
-                break
+        while not recovered() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert all(s["index_healthy"] for s in server.run(server.service.router_stats()))
-        time.sleep(1.0)
+        assert recovered()
         fresh = _groups(3)
         served_after, _ = _rounds(server, tiny_model, fresh, rounds=2)
         assert all(len(ws) == 1 for ws in served_after.values()), served_after  # prefix-aware again

@@ -338,3 +338,19 @@ def test_engine_events_mirror_every_tier(llm, tmp_path):
         assert mirror.blocks_of("w") == [] == list(_truth(tiered))
     finally:
         tiered.close()
+
+
+def test_a_quiet_worker_notices_redis_came_back_empty(redis_server):
+    s = _settings(redis_server)
+    rec, pub = _publisher(s, "w0", heartbeat_ttl_s=0.6)
+    f = _follower(s)
+    try:
+        rec.stored(H[:3], None, HBM)
+        assert pub.flush()
+        _wait(lambda: f.match(H[:3]).get("w0") == WorkerMatch(3, 0, 0))
+        redis_server.stop()
+        redis_server.start()  # back at once, empty; the publisher may never have seen an error
+        _wait(lambda: f.healthy and f.match(H[:3]).get("w0") == WorkerMatch(3, 0, 0), timeout=20)
+    finally:
+        pub.close()
+        f.close()

@@ -50,9 +50,20 @@ def test_host_tier_refreshes_duplicates_and_keeps_the_root_side_of_a_chain():
     assert len(t) == 1 and torch.equal(t.storage[t.entries[b"a"].slot], _blocks(1)[0])
     # a chain of three, leaf first, into two slots: what stays is still matchable from its root
     spilled = t.put([b"z", b"y", b"x"], [b"y", b"x", None], _blocks(3, 2, 1))
-    assert [e.block_hash for e in spilled] == [b"a", b"z"]
+    assert [e.block_hash for e in spilled] == [b"a"]  # z made room for its parents before it was ever stored
     assert set(t.entries) == {b"y", b"x"} and t.match([b"x", b"y", b"z"]) == 2
     assert all(e.data is None for e in spilled)  # no tier below: nothing is copied for it
+    t.check_integrity()
+
+
+def test_a_block_evicted_by_its_own_put_is_dropped_not_spilled_with_stale_data():
+    t = HostTier(1, SHAPE, torch.float32)
+    t.has_lower_tier = True
+    t.put([b"old"], [None], _blocks(5))
+    # leaf first into one slot: b goes in, then its parent a needs the slot; b's data was never copied in
+    spilled = t.put([b"b", b"a"], [b"a", None], _blocks(2, 1))
+    assert [e.block_hash for e in spilled] == [b"old"] and torch.equal(spilled[0].data, _blocks(5)[0])
+    assert set(t.entries) == {b"a"} and torch.equal(t.storage[t.entries[b"a"].slot], _blocks(1)[0])
     t.check_integrity()
 
 
@@ -233,16 +244,31 @@ def test_nvme_tier_brings_blocks_back_and_survives_a_restart(llm, prompts, expec
 
 
 def test_a_corrupt_nvme_file_is_recomputed_not_served(llm, prompts, expected, tmp_path):
+    from kvstrata.tiering.block_file import BlockHeader, round_up
+
     warm = _nvme_llm(llm, tmp_path)
     for p in prompts:
         warm.generate([p], GREEDY)
     warm.close()
-    files = sorted(tmp_path.rglob("*.kvb"))
-    assert files
-    for f in files:  # flip a byte in the middle of every payload
-        raw = bytearray(f.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
-        f.write_bytes(bytes(raw))
+    num_flipped = 0
+    for slab in sorted(tmp_path.glob("slab-*.kvs")):  # flip a byte in the middle of every stored payload
+        with open(slab, "r+b") as f:
+            size, offset = slab.stat().st_size, 0
+            while offset < size:  # slots start 4096-aligned: find them by their headers
+                f.seek(offset)
+                try:
+                    header = BlockHeader.parse(f.read(2 * 4096))
+                except ValueError:
+                    offset += 4096
+                    continue
+                middle = offset + header.payload_offset + header.payload_len // 2
+                f.seek(middle)
+                byte = f.read(1)[0]
+                f.seek(middle)
+                f.write(bytes([byte ^ 0xFF]))
+                num_flipped += 1
+                offset += header.payload_offset + round_up(header.payload_len)
+    assert num_flipped > 0
     cold = _nvme_llm(llm, tmp_path)
     try:
         for p, want in zip(prompts, expected):

@@ -1,7 +1,7 @@
-"""The NVMe tier's file format: a checksummed binary header, zero padding to a 4096-byte boundary,
-then the block's raw tensor bytes. The aligned payload lets the tier move a whole file in one
-O_DIRECT read or write. Nothing in a tier file is unpickled or executed; `BlockHeader.parse`
-verifies before it trusts."""
+"""The NVMe tier's slot format: a checksummed binary header, zero padding to a 4096-byte boundary,
+then the block's raw tensor bytes, then zeros to the end of the slot. A slot is written with one
+pwrite and read with one pread, O_DIRECT where the file system allows it. Nothing in a slot is
+unpickled or executed; `BlockHeader.parse` verifies before it trusts."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import zlib
 from dataclasses import dataclass
 
 MAGIC = b"KVSBLOCK"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: slots in slab files, with a write sequence number; 2 was one file per block
 ALIGN = 4096  # the payload offset, and the unit of O_DIRECT IO (covers 512- and 4096-byte sectors)
-BLOCK_SUFFIX = ".kvb"
+LEGACY_BLOCK_SUFFIX = ".kvb"  # version-2 block files, one per block in `<hh>` folders; removed at open
 TEMP_SUFFIX = ".tmp"
 MAX_HASH_BYTES = 64
 MAX_HEADER_BYTES = 1 << 16
@@ -26,11 +26,11 @@ def round_up(n: int, align: int = ALIGN) -> int:
 
 @dataclass(frozen=True, slots=True)
 class BlockHeader:
-    """The header of a tier file; all integers little-endian.
+    """The header at the start of a slot; all integers little-endian.
 
         off  size  field
         0    8     magic b"KVSBLOCK"
-        8    2     format version (2)
+        8    2     format version (3)
         10   4     header length L
         14   2+n   block hash (u16 length, bytes)
         ..   2+n   parent hash (u16 length, bytes; empty for a first block)
@@ -39,9 +39,10 @@ class BlockHeader:
         ..   1+8k  shape (u8 ndim k, u64 each)
         ..   8     payload length
         ..   4     payload CRC-32
+        ..   8     write sequence number (the tier's recency order across restarts)
         L-4  4     CRC-32 of header bytes [0, L-4)
         L    P-L   zero bytes, up to P = payload_offset = round_up(L, 4096)
-        P    ...   payload: the tensor's bytes, C order; the file ends with it
+        P    ...   payload: the tensor's bytes, C order; zeros after it to the end of the slot
 
     The head is bytes [0, P): the header and its pad, what `pack` returns and `parse` reads.
     """
@@ -53,6 +54,7 @@ class BlockHeader:
     shape: tuple[int, ...]
     payload_len: int
     payload_crc: int
+    seq: int = 0
 
     @property
     def payload_offset(self) -> int:
@@ -67,23 +69,16 @@ class BlockHeader:
             _U16.pack(len(tag)), tag,
             _U8.pack(len(dtype)), dtype,
             _U8.pack(len(self.shape)), *(_U64.pack(d) for d in self.shape),
-            _U64.pack(self.payload_len), _U32.pack(self.payload_crc),
+            _U64.pack(self.payload_len), _U32.pack(self.payload_crc), _U64.pack(self.seq),
         ])
         header_len = _PREFIX.size + len(body) + _U32.size
         head = _PREFIX.pack(MAGIC, FORMAT_VERSION, header_len) + body
         return head + _U32.pack(zlib.crc32(head)) + bytes(round_up(header_len) - header_len)
 
     @classmethod
-    def read(cls, f) -> BlockHeader:
-        """Read and verify the head at the start of a file, leaving `f` at the payload; ValueError if
-        it is not a valid one."""
-        prefix = f.read(_PREFIX.size)
-        return cls.parse(prefix + f.read(head_len(prefix) - _PREFIX.size))
-
-    @classmethod
     def parse(cls, buf) -> BlockHeader:
         """Verify and decode the head at the start of `buf` (any bytes-like object, e.g. a memoryview
-        of a whole file read into memory); ValueError if it is not a valid one."""
+        of a whole slot read into memory); ValueError if it is not a valid one."""
         view = memoryview(buf).cast("B")
         header_len = _header_len(view)
         payload_offset = round_up(header_len)
@@ -114,7 +109,7 @@ class BlockHeader:
             tag = take_bytes(take(_U16)).decode()
             dtype_name = take_bytes(take(_U8)).decode("ascii")
             shape = tuple(take(_U64) for _ in range(take(_U8)))
-            header = cls(block_hash, parent_hash, tag, dtype_name, shape, take(_U64), take(_U32))
+            header = cls(block_hash, parent_hash, tag, dtype_name, shape, take(_U64), take(_U32), take(_U64))
         except (struct.error, UnicodeDecodeError) as e:
             raise ValueError(f"malformed header: {e}") from None
         if pos != header_len - 4:
@@ -127,13 +122,24 @@ def head_len(buf) -> int:
     return round_up(_header_len(buf))
 
 
+def max_head_len(layout_tag: str, dtype_name: str, shape: tuple[int, ...]) -> int:
+    """The longest head a block of this layout can have: both hashes at their longest."""
+    longest = bytes(MAX_HASH_BYTES)
+    return BlockHeader(longest, longest, layout_tag, dtype_name, shape, 0, 0).payload_offset
+
+
+def has_magic(buf) -> bool:
+    """Whether `buf` starts like a header of any version: anything else is free space, not a bad block."""
+    return bytes(buf[:len(MAGIC)]) == MAGIC
+
+
 def _header_len(buf) -> int:
     """The header length from the fixed prefix at the start of `buf`, checked for magic, version and range."""
     if len(buf) < _PREFIX.size:
         raise ValueError("truncated header")
     magic, version, header_len = _PREFIX.unpack_from(buf, 0)
     if magic != MAGIC or version != FORMAT_VERSION:
-        raise ValueError(f"not a version-{FORMAT_VERSION} block file")
+        raise ValueError(f"not a version-{FORMAT_VERSION} block header")
     if not _PREFIX.size + _U32.size < header_len <= MAX_HEADER_BYTES:
         raise ValueError(f"bad header length {header_len}")
     return header_len

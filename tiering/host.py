@@ -81,6 +81,7 @@ class HostTier:
         evicted to make room, for the tier below. Hashes already here are refreshed, not stored twice."""
         evicted: list[Evicted] = []
         rows, slots = [], []
+        new: dict[bytes, int] = {}  # stored by this call (their data is copied in after the loop) -> position
         for i, (h, parent) in enumerate(zip(hashes, parents)):
             n = hits[i] if hits is not None else 0
             entry = self.entries.get(h)
@@ -89,19 +90,26 @@ class HostTier:
                 self._touch(h, entry)
                 continue
             if not self.free_slots:
-                victim = self._pop_leaf(protect=set(hashes[i:]))
+                victim = self._pop_leaf(protect=set(hashes[i:]), unfilled=new)
                 if victim is None:
                     break  # everything left is a parent of what is being stored; keep the chain's root
-                evicted.append(victim)
+                k = new.pop(victim.block_hash, None)
+                if k is None:
+                    evicted.append(victim)
+                else:  # stored by this very call and not copied in yet: it is simply not stored
+                    rows[k] = slots[k] = None
             slot = self.free_slots.pop()
             self.entries[h] = HostEntry(slot, parent, self._next_tick(), n)
             if parent is not None:
                 self._kids[parent] = self._kids.get(parent, 0) + 1
             if not self._kids.get(h):
                 heapq.heappush(self._heap, (self.entries[h].last_access, h))
+            new[h] = len(rows)
             rows.append(i)
             slots.append(slot)
             self.puts += 1
+        rows = [r for r in rows if r is not None]
+        slots = [s for s in slots if s is not None]
         if rows and fill is not None:
             fill(rows, slots)
         elif rows:
@@ -156,7 +164,9 @@ class HostTier:
             self.free_slots.append(entry.slot)
         return entry
 
-    def _pop_leaf(self, protect: set[bytes]) -> Evicted | None:
+    def _pop_leaf(self, protect: set[bytes], unfilled: dict[bytes, int] | None = None) -> Evicted | None:
+        """The least recently used unprotected leaf, removed; its data is copied out for a tier below
+        unless it is `unfilled` (stored by the running put, whose copy has not happened yet)."""
         skipped = []
         victim = None
         while self._heap:
@@ -167,7 +177,8 @@ class HostTier:
             if h in protect or (not self.has_lower_tier and h in self.pinned):
                 skipped.append((tick, h))
                 continue
-            data = self.storage[entry.slot].clone() if self.has_lower_tier else None
+            keep = self.has_lower_tier and not (unfilled and h in unfilled)
+            data = self.storage[entry.slot].clone() if keep else None
             victim = Evicted(h, entry.parent_hash, data, entry.hits)
             self._remove(h)
             self.evictions += 1

@@ -163,6 +163,12 @@ class TierManager:
         return self.host.put(keys, parents, data, hits=hits)
 
     # -- pins (prompt-cache breakpoints with a TTL) -------------------------------------------------
+    def attach_events(self, recorder) -> None:
+        """Record KV events for the shared index: what enters and leaves DRAM and NVMe."""
+        self.recorder = recorder
+        if self.nvme is not None:
+            self.nvme.on_evict = lambda hashes: recorder.removed(hashes, NVME)
+
     def pin(self, hashes: list[bytes], ttl_s: float, tenant: str) -> None:
         """Keep these blocks (a prefix chain) for ttl_s seconds: they may be demoted, never dropped.
         Pinning again extends the TTL. ValueError (naming cache_control) past a quota."""

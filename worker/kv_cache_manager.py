@@ -68,7 +68,7 @@ class KVCacheManager:
         """Record KV events (stored, removed, moved between tiers) for the shared prefix index."""
         self.pool.prefix_cache.recorder = recorder
         if self.tiers is not None:
-            self.tiers.recorder = recorder
+            self.tiers.attach_events(recorder)
 
     def attach_tiers(self, tiers: TierManager) -> None:
         """Keep evicted blocks in the tiers below, and look requests up in them."""

@@ -511,7 +511,7 @@ def run_tiering_bench(settings: TieringSettings, nvme_dir: Path,
             wall, turns = run_chat(llm, messages, settings.chat.answer_len, clock, label=name)
             results.append(ConfigResult(name, _label(settings.gpu_blocks, dram_blocks, nvme_blocks), dram_blocks,
                                         nvme_blocks, wall, turns, llm.cache_stats().get("tiers")))
-            llm.reset_prefix_cache()  # leaves no block files behind
+            llm.reset_prefix_cache()  # every block gone from the tier (its slab files stay, headers zeroed)
         finally:
             llm.close()
         del llm
