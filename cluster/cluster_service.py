@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from kvstrata.cluster.cluster_actors import ROUTER_NAME, WORKER_NAME, RouterActor, WorkerActor
-from kvstrata.cluster.engine_service import Draining, ModelInfo, Overloaded, StreamItem, RequestTimer
+from kvstrata.cluster.engine_service import Draining, EngineFailed, ModelInfo, Overloaded, RequestTimer, StreamItem
 from kvstrata.cluster.wire import decode_item, encode_request
 from kvstrata.worker.sampling_params import SamplingParams
 
@@ -69,8 +69,7 @@ class ClusterService:
             timer.reject("invalid")
             raise ValueError(f"max_tokens must be at most {self.max_tokens_limit}, got {params.max_tokens}")
         rid = request_id or f"req-{next(self._ids)}"
-        router = self.routers[next(self._next_router)]
-        worker_id, reason = await router.route.remote(rid, prompt_token_ids, cache_salt, tenant)
+        router, (worker_id, reason) = await self._route(rid, prompt_token_ids, cache_salt, tenant)
         log.debug("%s -> %s (%s)", rid, worker_id, reason)
         self.requests_by_worker[worker_id] += 1
         request = encode_request(rid, prompt_token_ids, params, prompt, cache_salt, cache_pins, tenant)
@@ -82,6 +81,8 @@ class ClusterService:
             async for ref in stream:
                 try:
                     item = decode_item(await ref)  # a refusal on the worker raises here, as it would locally
+                except ray.exceptions.RayActorError as e:  # the worker died (Ray restarts it)
+                    raise EngineFailed(f"{worker_id} failed: {_first_line(e)}") from None
                 except (ValueError, Overloaded, Draining) as e:
                     state = "refused"
                     timer.reject({ValueError: "invalid", Overloaded: "overloaded"}.get(type(e), "draining"))
@@ -100,6 +101,21 @@ class ClusterService:
             if state == "admitted":
                 timer.finish("abort")
                 ray.cancel(stream)  # the worker's generator is cancelled, which aborts the request there
+
+    async def _route(self, rid: str, prompt_token_ids: list[int], cache_salt: str, tenant: str):
+        """(router, (worker id, reason)) from the next router that answers; EngineFailed if none does."""
+        import ray
+
+        error: BaseException | None = None
+        for _ in range(len(self.routers)):
+            router = self.routers[next(self._next_router)]
+            try:
+                return router, await router.route.remote(rid, prompt_token_ids, cache_salt, tenant)
+            except ray.exceptions.RayActorError as e:  # restarting: try another
+                error = e
+            except RuntimeError as e:  # no healthy worker right now
+                raise EngineFailed(f"no worker can take the request: {_first_line(e)}") from None
+        raise EngineFailed(f"no router answered: {_first_line(error)}")
 
     async def cache_stats(self) -> dict[str, Any]:
         """Totals over the workers, and each worker's own stats under `workers`."""
@@ -163,12 +179,14 @@ def start_cluster(spec: ClusterSpec, metrics=None) -> ClusterService:
     config = load_config(model)
     worker_ids = [WORKER_NAME.format(i) for i in range(spec.num_workers)]
     router_cls = ray.remote(RouterActor)
-    routers = [router_cls.options(name=ROUTER_NAME.format(j), num_cpus=0, max_concurrency=64)
+    # Ray restarts a router or a worker that dies: a new worker incarnation replaces the old one's index
+    # entries, and a new router rebuilds its index (from Redis, or by asking every worker)
+    routers = [router_cls.options(name=ROUTER_NAME.format(j), num_cpus=0, max_concurrency=64, max_restarts=-1)
                .remote(j, worker_ids, spec.routing_policy, spec.redis, config.model_id, block_size)
                for j in range(spec.num_routers)]
     worker_cls = ray.remote(WorkerActor)
     workers = {w: worker_cls.options(name=w, num_cpus=spec.worker_cpus, num_gpus=spec.worker_gpus,
-                                     max_concurrency=1000)
+                                     max_concurrency=1000, max_restarts=-1)
                .remote(i, spec.llm_kwargs, spec.redis, [ROUTER_NAME.format(j) for j in range(spec.num_routers)],
                        spec.max_waiting, spec.max_tokens_limit)
                for i, w in enumerate(worker_ids)}
@@ -177,6 +195,11 @@ def start_cluster(spec: ClusterSpec, metrics=None) -> ClusterService:
     tokenizer = _tokenizer(model)
     model_info = ModelInfo(info["model_id"], tokenizer, config, info["dtype"], info["max_model_len"], info["block_size"])
     return ClusterService(routers, workers, model_info, spec.max_tokens_limit, metrics)
+
+
+def _first_line(e: BaseException | None) -> str:
+    lines = str(e).strip().splitlines() if e is not None else []
+    return lines[0] if lines else type(e).__name__
 
 
 def _tokenizer(model: str):

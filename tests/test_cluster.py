@@ -158,3 +158,31 @@ def test_two_routers_on_redis_route_alike_and_survive_redis_going_away(ray_local
         assert all(len(ws) == 1 for ws in served_after.values()), served_after  # prefix-aware again
     finally:
         server.stop()
+
+
+def test_a_worker_that_dies_is_restarted_with_a_new_incarnation(ray_local, tiny_model):
+    server = _cluster(tiny_model, "prefix_aware")
+    groups = _groups(4)
+    try:
+        served, _ = _rounds(server, tiny_model, groups, rounds=1)
+        victim = next(iter(served[0]))
+        stats = server.run(server.service.router_stats())[0]
+        assert stats["index_blocks"][victim] > 0
+        ray_local.kill(server.service.workers[victim], no_restart=False)
+        codes = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # requests go on while Ray restarts the worker
+            r = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                           json={"model": tiny_model, "prompt": groups[0] + [5, 6], "max_tokens": 2})
+            codes.append(r.status_code)
+            stats = server.run(server.service.router_stats())[0]
+            if victim in stats["healthy_workers"] and r.status_code == 200:
+                break
+            time.sleep(0.2)
+        assert set(codes) <= {200, 503} and codes[-1] == 200, codes  # failures are 503, never a hang or a 500
+        # the old incarnation's blocks left the index with it, and the new one serves fresh prefixes
+        assert server.run(server.service.router_stats())[0]["index_blocks"][victim] == 0
+        served_after, _ = _rounds(server, tiny_model, _groups(5, num_groups=4), rounds=1)
+        assert victim in set().union(*served_after.values())
+    finally:
+        server.stop()
