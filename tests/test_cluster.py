@@ -156,6 +156,22 @@ def test_two_routers_on_redis_route_alike_and_survive_redis_going_away(ray_local
         fresh = _groups(3)
         served_after, _ = _rounds(server, tiny_model, fresh, rounds=2)
         assert all(len(ws) == 1 for ws in served_after.values()), served_after  # prefix-aware again
+        # a router restarts (Ray brings it back) and rebuilds its index from Redis
+        before = server.run(server.service.router_stats())[1]["index_blocks"]
+        ray_local.kill(server.service.routers[1], no_restart=False)
+        deadline = time.monotonic() + 30
+        rebuilt = None
+        while time.monotonic() < deadline:
+            try:
+                rebuilt = server.run(server.service.router_stats())[1]
+            except Exception:  # noqa: BLE001 - still restarting
+                rebuilt = None
+            if (rebuilt is not None and not sum(rebuilt["decisions"].values())  # the new router
+                    and rebuilt["index_healthy"] and rebuilt["index_blocks"] == before):
+                break
+            time.sleep(0.2)
+        assert rebuilt is not None and not sum(rebuilt["decisions"].values())
+        assert rebuilt["index_blocks"] == before and sum(before.values()) > 0
     finally:
         server.stop()
 
