@@ -54,7 +54,7 @@ class RankWorker:
         return os.getpid()
 
     def setup(self, backend: str, init_method: str, timeout_s: float, model: str, dtype: str, device: str,
-              num_blocks: int, block_size: int, num_threads: int) -> dict[str, Any]:
+              num_blocks: int, block_size: int, num_threads: int, num_host_blocks: int = 0) -> dict[str, Any]:
         from kvstrata.worker.loader import load_model
         from kvstrata.worker.model_runner import ModelRunner
 
@@ -67,6 +67,11 @@ class RankWorker:
         loaded = load_model(model, dtype=dtype, device=device, shard=shard, all_reduce=self.comm.all_reduce)
         self.runner = ModelRunner(loaded.model, num_blocks, block_size)
         kv = self.runner.kv_cache
+        if num_host_blocks:  # rank 0's DRAM tier decides; this rank keeps its share of the same slots
+            from kvstrata.tiering.manager import block_shape
+
+            self.runner.host_storage = torch.zeros((num_host_blocks, *block_shape(kv)), dtype=kv.dtype,
+                                                   pin_memory=kv.is_cuda)
         return {"rank": self.rank, "pid": os.getpid(), "kv_heads": list(shard.kv_heads),
                 "kv_cache_bytes": kv.numel() * kv.element_size()}
 
@@ -95,6 +100,7 @@ class GroupSpec:
     block_size: int
     worker_id: str = ""
     timeout_s: float = DEFAULT_TIMEOUT_S
+    num_host_blocks: int = 0  # each rank's DRAM tier, in blocks (its share of each)
 
 
 class WorkerGroup:
@@ -138,7 +144,8 @@ class WorkerGroup:
         self.init_method = f"tcp://{self._address()}"
         num_threads = max(1, (os.cpu_count() or 1) // spec.tp)
         self._setups = [a.setup.remote(self.backend, self.init_method, spec.timeout_s, spec.model, spec.dtype,
-                                       spec.device_type, spec.num_blocks, spec.block_size, num_threads)
+                                       spec.device_type, spec.num_blocks, spec.block_size, num_threads,
+                                       spec.num_host_blocks)
                         for a in self.actors]
         try:
             TPComm.init(self.backend, self.init_method, 0, spec.tp, spec.timeout_s)

@@ -59,10 +59,12 @@ def test_step_message_round_trip():
         slot_mapping=torch.tensor([5, 17, 18, 19]), num_decodes=1,
         decode_block_tables=torch.tensor([[0, 2]]), decode_seq_lens=torch.tensor([22]), decode_mask=None,
         prefills=[PrefillChunk(1, 3, 20, torch.tensor([1, 3]))])
-    fields = pack_step(torch.tensor([7, 8, 9, 10]), torch.tensor([21, 17, 18, 19]), meta, [4], [6])
+    tier_ops = [(1, [3, 5], [0, 1]), (2, [1], [7])]  # to DRAM, then back, in that order
+    fields = pack_step(torch.tensor([7, 8, 9, 10]), torch.tensor([21, 17, 18, 19]), meta, [4], [6], tier_ops)
     assert all(f.dtype == torch.long for f in fields)  # tensors only: nothing pickled on the wire
-    ids, pos, got, src, dst = unpack_step(fields, block_size=16, device=torch.device("cpu"))
+    ids, pos, got, src, dst, ops = unpack_step(fields, block_size=16, device=torch.device("cpu"))
     assert ids.tolist() == [7, 8, 9, 10] and pos.tolist() == [21, 17, 18, 19] and (src, dst) == ([4], [6])
+    assert ops == tier_ops
     assert got.num_decodes == 1 and got.decode_block_tables.tolist() == [[0, 2]]
     assert got.decode_seq_lens.tolist() == [22] and got.slot_mapping.tolist() == [5, 17, 18, 19]
     assert got.decode_mask.shape == (1, 1, 1, 32) and int(got.decode_mask.sum()) == 22
@@ -77,8 +79,8 @@ def test_llm_rejects_bad_tensor_parallel_sizes_before_starting_anything():
         LLM("smollm2-135m", tensor_parallel_size=2)  # 9 heads
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM("smollm2-135m", tensor_parallel_size="3")
-    with pytest.raises(ValueError, match="cpu_kv_bytes"):
-        LLM("smollm2-135m", tensor_parallel_size=3, cpu_kv_bytes=1 << 20)
+    with pytest.raises(ValueError, match="nvme_kv_dir"):
+        LLM("smollm2-135m", tensor_parallel_size=3, cpu_kv_bytes=1 << 20, nvme_kv_dir="/tmp/x", nvme_kv_bytes=1 << 20)
 
 
 # -- worker groups on Ray ---------------------------------------------------------------------------
@@ -184,6 +186,32 @@ def test_prefix_caching_and_preemption_at_tp2(ray_local, gqa4):
         tight.check_integrity()
     finally:
         tight.close()
+
+
+def test_dram_tier_promotion_and_swap_at_tp2(ray_local, gqa4):
+    from kvstrata import LLM
+    from kvstrata.worker.model_runner import ModelRunner
+
+    path, _ = gqa4
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 40000, (48,), generator=g).tolist() for _ in range(6)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    roomy = LLM(str(path), num_gpu_blocks=256, dtype="float32")
+    reference = [o.outputs[0].token_ids for o in roomy.generate(prompts, sp)]
+    bb = ModelRunner.kv_bytes_per_block(roomy.engine.runner.model, 16) // 2  # one rank's share of a block
+    tiered = LLM(str(path), num_gpu_blocks=12, dtype="float32", tensor_parallel_size=2, cpu_kv_bytes=64 * bb)
+    try:
+        outs = tiered.generate(prompts, sp)  # 6 requests of up to 72 tokens in 12 blocks: swaps
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        assert tiered.cache_stats()["num_swaps"] > 0
+        for p, want in zip(prompts, reference):  # one at a time: the earlier ones come back from DRAM
+            got = tiered.generate([p], sp)[0]
+            assert got.outputs[0].token_ids == want
+        dram = tiered.cache_stats()["tiers"]["dram"]
+        assert dram["promoted_blocks"] > 0 and dram["swapped_in_blocks"] > 0
+        tiered.check_integrity()
+    finally:
+        tiered.close()
 
 
 def test_a_killed_rank_fails_the_step_quickly_and_the_group_restarts(ray_local, gqa4):

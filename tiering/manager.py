@@ -127,6 +127,8 @@ class TierManager:
         # DRAM evictions queued for NVMe at most; beyond, unpinned ones are dropped (backpressure)
         self.max_pending_writes = 256
         self.recorder = None  # KV events for the shared index (an EventRecorder), when published
+        # with tensor parallelism: the copies rank 0 made, for the other ranks (None: not recorded)
+        self.copy_log: list[tuple[int, list[int], list[int]]] | None = None
         self.loads: list[_Load] = []
         self.loading: set[bytes] = set()
         self.counters = TierCounters()
@@ -152,15 +154,19 @@ class TierManager:
 
     def _put_from_pool(self, keys: list[bytes], parents: list[bytes | None], block_ids: list[int],
                        hits: list[int] | None = None) -> list:
-        """Store pool blocks in DRAM under keys: with the CPU kernel, one pass straight into the
-        tier's slots; otherwise a gather, then a copy (to pinned memory, on CUDA)."""
-        if self.kernels is not None:
-            def fill(rows: list[int], slots: list[int]) -> None:
-                self.kernels.copy_blocks(self.kv_cache, 2, [block_ids[r] for r in rows], self.host.storage, 0, slots)
-            return self.host.put(keys, parents, fill=fill, hits=hits)
-        ids = torch.tensor(block_ids, device=self.kv_cache.device)
-        data = self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).to("cpu")
-        return self.host.put(keys, parents, data, hits=hits)
+        """Store pool blocks in DRAM under keys, copied straight into the tier's slots."""
+        def fill(rows: list[int], slots: list[int]) -> None:
+            src = [block_ids[r] for r in rows]
+            copy_to_host(self.kv_cache, src, self.host.storage, slots, self.kernels)
+            if self.copy_log is not None:
+                self.copy_log.append((TO_HOST, src, slots))
+        return self.host.put(keys, parents, fill=fill, hits=hits)
+
+    def drain_copy_log(self) -> list[tuple[int, list[int], list[int]]]:
+        """The pool <-> DRAM copies made since the last drain, in order: what other tensor-parallel
+        ranks must repeat on their own shards (see `copy_to_host` and `copy_to_device`)."""
+        log, self.copy_log = self.copy_log or [], ([] if self.copy_log is not None else None)
+        return log
 
     # -- pins (prompt-cache breakpoints with a TTL) -------------------------------------------------
     def attach_events(self, recorder) -> None:
@@ -350,12 +356,9 @@ class TierManager:
         blocks = allocate(len(keys))  # not timed: it may demote other blocks, which count as demotion
         t0 = time.perf_counter()
         ids = [b.block_id for b in blocks]
-        if self.kernels is not None:
-            self.kernels.copy_blocks(self.host.storage, 0, slots, self.kv_cache, 2, ids)
-        else:
-            data = self.host.storage.index_select(0, torch.tensor(slots))
-            dev = self.kv_cache.device
-            self.kv_cache.index_copy_(2, torch.tensor(ids, device=dev), data.permute(1, 2, 0, 3, 4, 5).to(dev))
+        copy_to_device(self.host.storage, slots, self.kv_cache, ids, self.kernels)
+        if self.copy_log is not None:
+            self.copy_log.append((TO_DEVICE, slots, ids))
         self.host.release(slots)
         c = self.counters
         if swap:
@@ -418,6 +421,35 @@ class TierManager:
         if self.nvme is not None:
             self.nvme.flush()
             self.nvme.check_integrity()
+
+
+TO_HOST, TO_DEVICE = 1, 2  # copy-log kinds
+
+
+def copy_to_host(kv_cache: torch.Tensor, block_ids: list[int], storage: torch.Tensor, slots: list[int],
+                 kernels=None) -> None:
+    """Pool blocks [L, 2, N, B, H, D] (dim 2) into DRAM slots [S, L, 2, B, H, D] (dim 0): with the
+    CPU kernel, one memcpy per piece; otherwise a gather, then one copy (to pinned memory, on CUDA)."""
+    if not block_ids:
+        return
+    if kernels is not None:
+        kernels.copy_blocks(kv_cache, 2, block_ids, storage, 0, slots)
+        return
+    data = kv_cache.index_select(2, torch.tensor(block_ids, device=kv_cache.device)).permute(2, 0, 1, 3, 4, 5)
+    storage.index_copy_(0, torch.tensor(slots), data.to(storage.device))
+
+
+def copy_to_device(storage: torch.Tensor, slots: list[int], kv_cache: torch.Tensor, block_ids: list[int],
+                   kernels=None) -> None:
+    """DRAM slots back into pool blocks: the inverse of copy_to_host."""
+    if not block_ids:
+        return
+    if kernels is not None:
+        kernels.copy_blocks(storage, 0, slots, kv_cache, 2, block_ids)
+        return
+    data = storage.index_select(0, torch.tensor(slots))
+    dev = kv_cache.device
+    kv_cache.index_copy_(2, torch.tensor(block_ids, device=dev), data.permute(1, 2, 0, 3, 4, 5).to(dev))
 
 
 def _rate(num_bytes: int, seconds: float) -> float:

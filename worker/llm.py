@@ -54,7 +54,7 @@ class LLM:
                 raise ValueError("pin_quota_bytes needs cpu_kv_bytes: pins live in the KV tiers")
         shard = None
         if tensor_parallel_size != 1:
-            shard = _check_tp(model, tensor_parallel_size, cpu_kv_bytes)
+            shard = _check_tp(model, tensor_parallel_size, nvme_kv_dir)
         loaded = load_model(model, dtype=dtype, device=device, shard=shard)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -68,7 +68,8 @@ class LLM:
         runner = ModelRunner(loaded.model, num_gpu_blocks, block_size)
         self.group = None
         if shard is not None:
-            self._tp = (model, tensor_parallel_size, num_gpu_blocks, block_size, worker_id)
+            num_host_blocks = cpu_kv_bytes // block_bytes if cpu_kv_bytes is not None else 0
+            self._tp = (model, tensor_parallel_size, num_gpu_blocks, block_size, worker_id, num_host_blocks)
             self.group = _start_group(runner, *self._tp)
         kv = KVCacheManager(num_gpu_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         sched = SchedulerConfig(
@@ -82,6 +83,9 @@ class LLM:
             if pin_quota_bytes is not None:
                 tiers.pin_quota_blocks = min(max(1, pin_quota_bytes // block_bytes), tiers.max_pinned_blocks)
             kv.attach_tiers(tiers)
+            if shard is not None:  # the other ranks repeat every pool <-> DRAM copy on their shards
+                tiers.copy_log = []
+                runner.tiers = tiers
         self.engine = LLMEngine(runner, self.tokenizer, kv, sched, self.model_id, seed=seed)
         self._ids = itertools.count()
 
@@ -183,6 +187,8 @@ class LLM:
         for rid in list(self.engine.groups):
             self.engine.abort(rid)
         self.engine.kv.reset_prefix_cache()
+        if self.engine.kv.tiers is not None:
+            self.engine.kv.tiers.drain_copy_log()  # copies for the old ranks; the new ones start empty
         self.group = _start_group(self.engine.runner, *self._tp)
 
 
@@ -225,25 +231,27 @@ def _build_tiers(runner: ModelRunner, block_bytes: int, cpu_kv_bytes: int, nvme_
     return TierManager(runner.kv_cache, host, nvme, admission=admission)
 
 
-def _check_tp(model: str, tp: int, cpu_kv_bytes: int | None):
+def _check_tp(model: str, tp: int, nvme_kv_dir: str | None):
     """Rank 0's shard; ValueError naming tensor_parallel_size for a size the model cannot take."""
     from kvstrata.worker.loader import load_config
     from kvstrata.worker.tensor_parallel import plan_shard
 
     if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-    if cpu_kv_bytes is not None:
-        raise ValueError("cpu_kv_bytes: KV tiers do not work with tensor_parallel_size > 1 yet")
+    if nvme_kv_dir is not None:
+        raise ValueError("nvme_kv_dir: the NVMe tier does not work with tensor_parallel_size > 1 yet (the DRAM "
+                         "tier does)")
     return plan_shard(load_config(model), tp, 0)
 
 
-def _start_group(runner: ModelRunner, model: str, tp: int, num_blocks: int, block_size: int, worker_id: str):
+def _start_group(runner: ModelRunner, model: str, tp: int, num_blocks: int, block_size: int, worker_id: str,
+                 num_host_blocks: int):
     """The other ranks, joined to this process (rank 0), with the same number of KV blocks."""
     from kvstrata.cluster.tp_group import GroupSpec, WorkerGroup
 
     m = runner.model
     group = WorkerGroup(GroupSpec(model, tp, str(m.dtype).removeprefix("torch."), m.device.type,
-                                  num_blocks, block_size, worker_id))
+                                  num_blocks, block_size, worker_id, num_host_blocks=num_host_blocks))
     m.all_reduce = group.comm.all_reduce
     runner.comm, runner.group = group.comm, group
     group.wait_ready()

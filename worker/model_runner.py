@@ -56,6 +56,8 @@ class ModelRunner:
         # (a WorkerGroup) checks they are alive and names the rank that died when a step fails
         self.comm: TPComm | None = None
         self.group = None
+        self.tiers = None  # rank 0 with a DRAM tier: its copy log goes to the other ranks with each step
+        self.host_storage: torch.Tensor | None = None  # another rank's DRAM tier: its share of each block
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
@@ -90,7 +92,8 @@ class ModelRunner:
             self.group.check()
             try:
                 src, dst = [c.src for c in batch.block_copies], [c.dst for c in batch.block_copies]
-                self.comm.send(STEP, pack_step(input_ids, positions, meta, src, dst))
+                tier_ops = self.tiers.drain_copy_log() if self.tiers is not None else []
+                self.comm.send(STEP, pack_step(input_ids, positions, meta, src, dst, tier_ops))
                 self.copy_blocks(batch.block_copies)
                 hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
             except Exception as e:  # a collective failed: say which rank died, if one did
@@ -100,7 +103,16 @@ class ModelRunner:
 
     def follow(self, fields: list[torch.Tensor]) -> None:
         """Another rank's side of rank 0's `execute`: the same copies and forward pass, no logits."""
-        input_ids, positions, meta, src, dst = unpack_step(fields, self.block_size, self.device, self.cpu_kernels)
+        input_ids, positions, meta, src, dst, tier_ops = unpack_step(fields, self.block_size, self.device,
+                                                                     self.cpu_kernels)
+        if tier_ops:
+            from kvstrata.tiering.manager import TO_HOST, copy_to_device, copy_to_host
+
+            for kind, a, b in tier_ops:  # rank 0 made these before its forward pass, in this order
+                if kind == TO_HOST:
+                    copy_to_host(self.kv_cache, a, self.host_storage, b, self.cpu_kernels)
+                else:
+                    copy_to_device(self.host_storage, a, self.kv_cache, b, self.cpu_kernels)
         self.copy_blocks([BlockCopy(s, d) for s, d in zip(src, dst)])
         self.model.forward(input_ids, positions, meta, self.kv_cache)
 

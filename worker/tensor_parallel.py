@@ -150,8 +150,10 @@ class TPComm:
 # -- the step message -------------------------------------------------------------------------------
 
 def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-              copies_src: list[int], copies_dst: list[int]) -> list[torch.Tensor]:
-    """A scheduled step as int64 fields: what another rank needs to run the same forward pass."""
+              copies_src: list[int], copies_dst: list[int],
+              tier_ops: list[tuple[int, list[int], list[int]]] = ()) -> list[torch.Tensor]:
+    """A scheduled step as int64 fields: what another rank needs to run the same forward pass, and
+    the DRAM tier copies rank 0 made since the last step, (kind, src ids, dst ids) in order."""
     cpu = torch.device("cpu")
     d = meta.num_decodes
     width = meta.decode_block_tables.shape[1] if d else 0
@@ -164,12 +166,17 @@ def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionM
         torch.tensor(prefill_info, dtype=torch.long),
         torch.cat([p.block_ids.to(cpu) for p in meta.prefills]) if meta.prefills else torch.empty(0, dtype=torch.long),
         torch.tensor(copies_src, dtype=torch.long), torch.tensor(copies_dst, dtype=torch.long),
+        torch.tensor([k for k, _, _ in tier_ops], dtype=torch.long),
+        torch.tensor([len(src) for _, src, _ in tier_ops], dtype=torch.long),
+        torch.tensor([i for _, src, _ in tier_ops for i in src], dtype=torch.long),
+        torch.tensor([i for _, _, dst in tier_ops for i in dst], dtype=torch.long),
     ]
 
 
 def unpack_step(fields: list[torch.Tensor], block_size: int, device: torch.device, cpu_kernels=None):
-    """(input_ids, positions, meta, copies_src, copies_dst) from pack_step's fields."""
-    counts, input_ids, positions, slots, tables, seq_lens, prefill_info, prefill_ids, src, dst = fields
+    """(input_ids, positions, meta, copies_src, copies_dst, tier_ops) from pack_step's fields."""
+    (counts, input_ids, positions, slots, tables, seq_lens, prefill_info, prefill_ids, src, dst,
+     kinds, lens, tier_src, tier_dst) = fields
     d, width, num_prefills = (int(x) for x in counts.tolist())
     decode_tables = decode_mask = None
     if d:
@@ -185,4 +192,9 @@ def unpack_step(fields: list[torch.Tensor], block_size: int, device: torch.devic
     meta = AttentionMetadata(slot_mapping=slots.to(device), num_decodes=d, decode_block_tables=decode_tables,
                              decode_seq_lens=seq_lens.to(device) if d else None, decode_mask=decode_mask,
                              prefills=prefills, cpu_kernels=cpu_kernels)
-    return input_ids.to(device), positions.to(device), meta, src.tolist(), dst.tolist()
+    tier_ops = []
+    offset = 0
+    for kind, n in zip(kinds.tolist(), lens.tolist()):
+        tier_ops.append((kind, tier_src[offset:offset + n].tolist(), tier_dst[offset:offset + n].tolist()))
+        offset += n
+    return input_ids.to(device), positions.to(device), meta, src.tolist(), dst.tolist(), tier_ops
