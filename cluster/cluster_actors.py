@@ -36,7 +36,7 @@ class WorkerActor:
         self.worker_id = WORKER_NAME.format(index)
         self.llm = LLM(**llm_kwargs, worker_id=str(index))
         self.service = EngineService(self.llm.engine, max_waiting=max_waiting, max_tokens_limit=max_tokens_limit,
-                                     recover=self.llm.recover)
+                                     recover=self.llm.recover, worker_id=self.worker_id)
         recorder = EventRecorder()
         self.llm.engine.kv.attach_events(recorder)
         if redis is not None:

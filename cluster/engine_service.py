@@ -175,13 +175,16 @@ class EngineService:
     """Owns an `LLMEngine` and its step thread. `max_waiting` bounds requests not yet admitted."""
 
     def __init__(self, engine: LLMEngine, max_waiting: int = 256, max_tokens_limit: int = 4096,
-                 metrics: ServingMetrics | None = None, recover: Callable[[Exception], None] | None = None):
+                 metrics: ServingMetrics | None = None, recover: Callable[[Exception], None] | None = None,
+                 worker_id: str = ""):
         """`recover(e)`, if given, runs on the engine thread after a step failed with e (and its
-        requests were failed): e.g. restarting a tensor-parallel group whose rank died."""
+        requests were failed): e.g. restarting a tensor-parallel group whose rank died. `worker_id`
+        names this engine in every StreamItem (the front ends' x-kvstrata-worker)."""
         self.engine = engine
         self.model_info = ModelInfo.of(engine)
         self.metrics = metrics
         self.recover = recover
+        self.worker_id = worker_id
         self.max_waiting = max_waiting
         self.max_tokens_limit = max_tokens_limit
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -253,6 +256,7 @@ class EngineService:
                 if item is None:  # aborted by shutdown
                     return
                 timer.step(item)
+                item.worker = self.worker_id
                 if item.usage is not None:
                     state = "done"
                     timer.finish(next((d.finish_reason for d in item.deltas if d.finish_reason), "stop"))

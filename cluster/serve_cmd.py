@@ -300,6 +300,7 @@ def _uvicorn_server(app, opts: dict[str, Any]):
 
 
 async def _serve(llm, opts: dict[str, Any], auth, cluster=None) -> int:
+    from kvstrata.cluster.cluster_actors import WORKER_NAME
     from kvstrata.cluster.engine_service import EngineService
     from kvstrata.cluster.grpc_server import build_server, server_credentials, set_serving
     from kvstrata.cluster.http_server import OpenAIServer
@@ -315,7 +316,7 @@ async def _serve(llm, opts: dict[str, Any], auth, cluster=None) -> int:
               f"{cluster.routing_policy}, index {'in Redis' if cluster.redis else 'in-process'}", flush=True)
     else:
         service = EngineService(llm.engine, max_waiting=opts["max_waiting"], max_tokens_limit=opts["max_tokens_limit"],
-                                metrics=metrics, recover=llm.recover)
+                                metrics=metrics, recover=llm.recover, worker_id=WORKER_NAME.format(0))
     grpc_server = health = http = http_task = None
     scheme = "https" if opts["tls_cert"] else "http"
     if not opts["disable_grpc"]:

@@ -420,7 +420,9 @@ def test_serve_command_with_config_keys_and_sigterm(tmp_path):
         line = wait_for_line(proc, "HTTP on")
         url = line.split("HTTP on ", 1)[1].strip()
         c = openai.OpenAI(base_url=url + "/v1", api_key=KEY_ALPHA, max_retries=0, timeout=60)
-        assert c.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+        raw = c.completions.with_raw_response.create(model=MODEL, prompt="Hello", max_tokens=2)
+        assert raw.parse().usage.completion_tokens == 2
+        assert raw.headers["x-kvstrata-worker"] == "kvstrata-worker-0"  # one worker, named like a cluster's
         assert httpx.get(url + "/v1/models").status_code == 401
         # SIGTERM with a stream in flight: /health and new requests turn 503 at once, the stream finishes
         stream = c.completions.create(model=MODEL, prompt="Drain me", max_tokens=40, stream=True,
