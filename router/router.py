@@ -98,6 +98,7 @@ class Router:
         with self._lock:
             return {"policy": self.policy.name, "index_healthy": self.index.healthy,
                     "index_workers": len(getattr(self.index, "incarnations", ())),
+                    "incarnations": dict(getattr(self.index, "incarnations", {})),
                     "index_blocks": {w: self.index.index.num_blocks(w) for w in self.workers},
                     "healthy_workers": [w for w in self.workers if self._loads[w].healthy],
                     "decisions": dict(self.decisions),

@@ -470,6 +470,9 @@ def test_a_failed_engine_step_is_503_on_both_apis_and_the_service_recovers(llm):
                 list(pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
                     text=PROMPT, sampling=pb.SamplingOptions(max_tokens=3)), timeout=60))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        deadline = time.monotonic() + 10  # recover runs on the engine thread just after the failure is sent
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert [str(c) for c in calls] == ["device lost", "device lost"]  # recover ran after each failure
         ok = httpx.post(server.base_url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3},
                         timeout=60)

@@ -354,3 +354,15 @@ def test_a_quiet_worker_notices_redis_came_back_empty(redis_server):
     finally:
         pub.close()
         f.close()
+
+
+def test_pushed_index_replaces_an_old_incarnations_blocks():
+    from kvstrata.router.push_index import PushedIndex
+
+    idx = PushedIndex()
+    idx.apply_batch(encode_batch("w0", "old", 1, [ev.KVEvent(stored=ev.BlockStored(block_hashes=H[:3], tier=HBM))]))
+    assert idx.match(H[:3]) == {"w0": WorkerMatch(3, 0, 0)}
+    idx.apply_batch(encode_batch("w0", "new", 1, [ev.KVEvent(stored=ev.BlockStored(block_hashes=H[5:6], tier=HBM))]))
+    assert idx.match(H[:3]) == {} and idx.match(H[5:6]) == {"w0": WorkerMatch(1, 0, 0)}
+    idx.apply_batch(encode_batch("w0", "new", 1, [ev.KVEvent(cleared=True)]))  # a replayed sequence number
+    assert idx.stale_batches == 1 and idx.match(H[5:6]) == {"w0": WorkerMatch(1, 0, 0)}
