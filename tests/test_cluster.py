@@ -87,7 +87,7 @@ def _rounds(server, model, groups, rounds: int = 3, seed: int = 0) -> tuple[dict
             served.setdefault(g, set()).add(worker)
             cached += hit
             total += len(prompt)
-            time.sleep(0.15)  # the prefill's KV events reach the router
+            time.sleep(0.3)  # the prefill's KV events reach the router(s)
     return served, cached / total
 
 
