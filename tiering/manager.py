@@ -77,7 +77,8 @@ class TierCounters:
     loaded_from_nvme: int = 0
     failed_loads: int = 0
     demote_bytes: int = 0
-    demote_seconds: float = 0.0
+    demote_seconds: float = 0.0  # in the copies themselves: bytes / seconds is the transfer rate
+    demote_overhead_seconds: float = 0.0  # the rest of a demotion or swap-out: the tier's bookkeeping
     promote_bytes: int = 0
     promote_seconds: float = 0.0
     swapped_out_blocks: int = 0
@@ -138,14 +139,11 @@ class TierManager:
         """Keep device blocks the pool is about to reuse, leaf first."""
         if not evicted:
             return
-        t0 = time.perf_counter()
         keys = [e.block_hash for e in evicted]
         spilled = self._put_from_pool(keys, [e.parent_hash for e in evicted], [e.block_id for e in evicted],
                                       [e.hits for e in evicted])
         c = self.counters
         c.demoted_blocks += len(evicted)
-        c.demote_bytes += len(evicted) * self.host.block_bytes
-        c.demote_seconds += time.perf_counter() - t0
         if self.recorder is not None:
             kept = [k for k in keys if k in self.host]
             self.recorder.moved(kept, HBM, DRAM)
@@ -154,13 +152,26 @@ class TierManager:
 
     def _put_from_pool(self, keys: list[bytes], parents: list[bytes | None], block_ids: list[int],
                        hits: list[int] | None = None) -> list:
-        """Store pool blocks in DRAM under keys, copied straight into the tier's slots."""
+        """Store pool blocks in DRAM under keys, copied straight into the tier's slots. The copy and
+        the bookkeeping around it are timed apart (transfer rate, and overhead)."""
+        c = self.counters
+        copy_seconds = 0.0
+
         def fill(rows: list[int], slots: list[int]) -> None:
+            nonlocal copy_seconds
             src = [block_ids[r] for r in rows]
+            t = time.perf_counter()
             copy_to_host(self.kv_cache, src, self.host.storage, slots, self.kernels)
+            copy_seconds = time.perf_counter() - t
+            c.demote_bytes += len(src) * self.host.block_bytes
             if self.copy_log is not None:
                 self.copy_log.append((TO_HOST, src, slots))
-        return self.host.put(keys, parents, fill=fill, hits=hits)
+
+        t0 = time.perf_counter()
+        spilled = self.host.put(keys, parents, fill=fill, hits=hits)
+        c.demote_seconds += copy_seconds
+        c.demote_overhead_seconds += time.perf_counter() - t0 - copy_seconds
+        return spilled
 
     def drain_copy_log(self) -> list[tuple[int, list[int], list[int]]]:
         """The pool <-> DRAM copies made since the last drain, in order: what other tensor-parallel
@@ -224,11 +235,8 @@ class TierManager:
         if len(keys) > self.host.num_blocks:
             self.counters.swap_fallbacks += 1
             return False
-        t0 = time.perf_counter()
         spilled = self._put_from_pool(keys, [None] * len(keys), block_ids)
         c = self.counters
-        c.demote_bytes += len(keys) * self.host.block_bytes
-        c.demote_seconds += time.perf_counter() - t0
         self._spill(spilled)
         if not self.has_all(keys):  # DRAM is smaller than the request: keep nothing
             self.host.discard(keys)
@@ -407,6 +415,7 @@ class TierManager:
                      "swapped_out_blocks": c.swapped_out_blocks, "swapped_in_blocks": c.swapped_in_blocks,
                      "swap_fallbacks": c.swap_fallbacks,
                      "demote_gb_per_s": _rate(c.demote_bytes, c.demote_seconds),
+                     "demote_overhead_s": round(c.demote_overhead_seconds, 6),
                      "promote_gb_per_s": _rate(c.promote_bytes, c.promote_seconds)},
         }
         if self.nvme is not None:
