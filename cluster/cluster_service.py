@@ -153,13 +153,16 @@ class ClusterService:
         return True
 
     def shutdown(self) -> None:
+        """Close every worker and router at once (each finishes its engine and publisher), then kill them."""
         import ray
 
-        for handle in [*self.workers.values(), *self.routers]:
-            try:
-                ray.get(handle.close.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - tearing down anyway
-                pass
+        handles = [*self.workers.values(), *self.routers]
+        closing = [h.close.remote() for h in handles]
+        try:
+            ray.wait(closing, num_returns=len(closing), timeout=30)
+        except Exception:  # noqa: BLE001 - tearing down anyway
+            pass
+        for handle in handles:
             ray.kill(handle)
 
     async def router_stats(self) -> list[dict[str, Any]]:
