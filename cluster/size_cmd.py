@@ -30,7 +30,8 @@ weights and overhead, and how many sequences fit when each one preallocates --ma
 
 _EPILOG = """\
 KV bytes per token = 2 (K, V) * layers * KV heads * bytes per head vector; query heads do not count
-(GQA). With --tp N each rank holds KV heads / N of them, or one replicated head when N > KV heads.
+(GQA). With --tp N each rank holds KV heads / N of them, or, when they do not split evenly, heads
+replicated as needed, as the engine shards them (the replication is printed).
 KV dtype storage: fp32 4 B, fp16/bf16 2 B, fp8_e4m3/fp8_e5m2 1 B per value; int8 is 1 B per value
 plus a float16 scale per (token, layer, head) for each of K and V; int4 is 4 bits per value plus a
 float16 scale per group of 32 values within a head vector (ceil(head_dim / 32) groups).
@@ -125,7 +126,7 @@ def format_plan(p: CapacityPlan) -> str:
          f"{p.num_layers} / {p.num_heads} / {p.num_kv_heads} / {p.head_dim}"),
         ("kv dtype", p.kv_dtype),
         ("gpus", f"{p.gpus} = {p.num_replicas} replica(s) x tp {p.tp}"),
-        ("kv heads per rank", f"{p.kv_heads_per_rank} (replication x{p.kv_head_replication})"),
+        ("kv heads per rank", f"{p.kv_heads_per_rank} (replication x{p.kv_head_replication:g})"),
         ("kv per token", _bytes(p.kv_bytes_per_token)),
         ("kv per token per rank", _bytes(p.kv_bytes_per_token_per_rank)),
         (f"kv per sequence ({p.max_seq_len} tokens)", _bytes(p.kv_bytes_per_sequence)),

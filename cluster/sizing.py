@@ -122,7 +122,7 @@ class CapacityPlan:
     gpus: int
     num_replicas: int
     kv_heads_per_rank: int
-    kv_head_replication: int
+    kv_head_replication: float
     max_seq_len: int
     mean_seq_len: int
     block_size: int
@@ -172,17 +172,19 @@ def resolve_model_dtype(config: ModelConfig, requested: str) -> str:
     return name
 
 
-def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
-    """KV heads each rank stores: an even split, or one replicated head when tp > kv heads.
+def kv_heads_per_rank(config: ModelConfig, tp: int) -> int:
+    """KV heads each rank stores, as the engine shards them (`plan_shard`): an even split, or heads
+    replicated as needed when the ranks do not split them evenly.
 
-        kv_heads=4, tp=2:  rank0 [h0 h1]  rank1 [h2 h3]          -> 2 per rank, replication 1
-        kv_heads=2, tp=4:  rank0 [h0] rank1 [h0] rank2 [h1] ...  -> 1 per rank, replication 2
+        kv_heads=4, tp=2:                rank0 [h0 h1]  rank1 [h2 h3]          -> 2 per rank, replication 1
+        kv_heads=2, tp=4:                rank0 [h0] rank1 [h0] rank2 [h1] ...  -> 1 per rank, replication 2
+        heads=12, kv_heads=3, tp=2:      rank0 [h0 h0 h1]  rank1 [h1 h2 h2]    -> 3 per rank, replication 2
     """
-    if num_kv_heads % tp != 0 and tp % num_kv_heads != 0:
-        raise ValueError(
-            f"--tp ({tp}) must divide the number of KV heads ({num_kv_heads}) or be a multiple of it"
-        )
-    return max(1, num_kv_heads // tp)
+    from kvstrata.worker.tensor_parallel import local_kv_heads
+
+    if config.num_heads % tp:
+        raise ValueError(f"--tp ({tp}) must divide the number of query heads ({config.num_heads})")
+    return len(local_kv_heads(config.num_heads, config.num_kv_heads, tp, 0))
 
 
 def plan_capacity(config: ModelConfig, params: SizingParams) -> CapacityPlan:
@@ -206,8 +208,8 @@ def plan_capacity(config: ModelConfig, params: SizingParams) -> CapacityPlan:
     kv_dtype_name = model_dtype if params.kv_dtype == "auto" else params.kv_dtype
     kv_dtype = KV_DTYPES[kv_dtype_name]
 
-    heads_per_rank = kv_heads_per_rank(config.num_kv_heads, tp)
-    replication = heads_per_rank * tp // config.num_kv_heads
+    heads_per_rank = kv_heads_per_rank(config, tp)
+    replication = heads_per_rank * tp / config.num_kv_heads
     head_vector = kv_dtype.bytes_per_head_vector(config.head_dim)
     # 2 = K and V.
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * head_vector

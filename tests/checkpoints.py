@@ -49,7 +49,7 @@ def build_checkpoint(out_dir: Path, tokenizer_dir: Path, family: str, kwargs: di
 
     cfg_cls, model_cls = (getattr(transformers, n) for n in CLASSES[family])
     torch.manual_seed(seed)
-    model = model_cls(cfg_cls(**BASE, **kwargs)).eval()
+    model = model_cls(cfg_cls(**{**BASE, **kwargs})).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

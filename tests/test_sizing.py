@@ -187,13 +187,17 @@ def test_tp_beyond_kv_heads_replicates():
     assert p.kv_bytes_per_token_per_rank * p.tp == 2 * p.kv_bytes_per_token
 
 
-@pytest.mark.parametrize(
-    "heads, kv_heads, tp, option",
-    [(12, 4, 3, "KV heads"), (9, 3, 2, "query heads"), (12, 6, 4, "KV heads")],
-)
-def test_tp_that_cannot_split_heads_is_rejected(heads, kv_heads, tp, option):
-    with pytest.raises(ValueError, match=f"--tp.*{option}"):
-        plan(tiny(heads=heads, kv_heads=kv_heads), tp=tp)
+def test_tp_that_cannot_split_query_heads_is_rejected():
+    with pytest.raises(ValueError, match="--tp.*query heads"):
+        plan(tiny(heads=9, kv_heads=3), tp=2)
+
+
+@pytest.mark.parametrize("heads, kv_heads, tp, per_rank, replication", [(12, 4, 3, 4, 3), (12, 6, 4, 3, 2)])
+def test_kv_heads_that_do_not_split_evenly_are_replicated_as_the_engine_does(heads, kv_heads, tp, per_rank,
+                                                                              replication):
+    p = plan(tiny(heads=heads, kv_heads=kv_heads), tp=tp)
+    assert (p.kv_heads_per_rank, p.kv_head_replication) == (per_rank, replication)
+    assert p.kv_bytes_per_token_per_rank * tp == replication * p.kv_bytes_per_token
 
 
 def test_gpus_multiply_replicas():

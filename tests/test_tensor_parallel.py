@@ -27,14 +27,14 @@ def _config(heads: int, kv_heads: int, inter: int = 128) -> ModelConfig:
 def test_kv_heads_split_evenly():
     shards = [plan_shard(_config(8, 4), 2, r) for r in range(2)]
     assert [s.q_heads for s in shards] == [(0, 4), (4, 8)]
-    assert [s.kv_heads for s in shards] == [(0, 2), (2, 4)]
+    assert [s.kv_heads for s in shards] == [(0, 1), (2, 3)]
     assert [s.intermediate for s in shards] == [(0, 64), (64, 128)]
     assert all(s.kv_replication == 1 for s in shards)
 
 
 def test_more_ranks_than_kv_heads_replicate_them():
     shards = [plan_shard(_config(8, 2), 4, r) for r in range(4)]
-    assert [s.kv_heads for s in shards] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [s.kv_heads for s in shards] == [(0,), (0,), (1,), (1,)]
     assert [s.q_heads for s in shards] == [(0, 2), (2, 4), (4, 6), (6, 8)]
     # every rank's query heads use its KV head: q head i reads KV head i // (8 / 2)
     for s in shards:
@@ -42,10 +42,31 @@ def test_more_ranks_than_kv_heads_replicate_them():
     assert shards[0].kv_replication == 2
 
 
+def _local_kv_of_each_query_head(s) -> list[int]:
+    """The global KV head each of a rank's query heads reads, through plain GQA on the rank."""
+    per_local_kv = s.num_heads // s.num_kv_heads
+    return [s.kv_heads[j // per_local_kv] for j in range(s.num_heads)]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "tp", "replication"), [
+    (12, 3, 2, 2.0),  # 3 KV heads over 2 ranks: rank 0 (0, 0, 1), rank 1 (1, 2, 2)
+    (12, 4, 3, 3.0),  # 4 query heads a rank, 3 a KV head: every query head gets its own copy
+    (8, 4, 2, 1.0),
+    (8, 2, 4, 2.0),
+    (9, 3, 3, 1.0),
+])
+def test_any_divisible_head_count_works_with_kv_heads_replicated_as_needed(heads, kv_heads, tp, replication):
+    per_kv = heads // kv_heads
+    for r in range(tp):
+        s = plan_shard(_config(heads, kv_heads, inter=12 * tp), tp, r)
+        assert s.num_heads % s.num_kv_heads == 0  # plain GQA on every rank
+        assert _local_kv_of_each_query_head(s) == [q // per_kv for q in range(*s.q_heads)]  # the right heads
+        assert s.kv_replication == replication
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "inter", "tp", "needle"), [
     (9, 3, 128, 2, "9 attention heads"),
     (8, 4, 100, 8, "intermediate size"),
-    (12, 4, 120, 3, "4 KV heads"),
     (8, 4, 128, 0, "positive integer"),
 ])
 def test_sizes_the_model_cannot_take_name_tensor_parallel_size(heads, kv_heads, inter, tp, needle):
@@ -141,7 +162,7 @@ def test_tp2_matches_tp1_and_transformers_with_half_the_kv(ray_local, gqa4):
     try:
         _check_same(reference, two.generate(prompts, GREEDY), prompts, hf_model)
         ranks = two.group.stats()["ranks"]
-        assert [r["kv_heads"] for r in ranks] == [[2, 4]]
+        assert [r["kv_heads"] for r in ranks] == [[2, 3]]
         assert _kv_bytes(two) * 2 == _kv_bytes(one) and ranks[0]["kv_cache_bytes"] * 2 == _kv_bytes(one)
         assert two.cache_stats()["tensor_parallel"]["kv_bytes_per_rank"] == _kv_bytes(two)
         two.check_integrity()
@@ -159,10 +180,27 @@ def test_tp4_replicates_two_kv_heads_and_matches_transformers(ray_local, gqa2):
         outs = four.generate(prompts, GREEDY)
         for prompt, out in zip(prompts, outs):
             assert out.outputs[0].token_ids == hf_greedy_logprobs(hf_model, prompt)[0]
-        assert [r["kv_heads"] for r in four.group.stats()["ranks"]] == [[0, 1], [1, 2], [1, 2]]
+        assert [r["kv_heads"] for r in four.group.stats()["ranks"]] == [[0], [1], [1]]
         assert four.cache_stats()["tensor_parallel"]["kv_replication"] == 2
     finally:
         four.close()
+
+
+def test_three_kv_heads_over_two_ranks_match_transformers(ray_local, tokenizer_dir, tmp_path):
+    from kvstrata import LLM
+
+    pytest.importorskip("transformers")
+    hf_model = build_checkpoint(tmp_path, tokenizer_dir, "llama", dict(
+        num_attention_heads=12, num_key_value_heads=3, hidden_size=96, tie_word_embeddings=False), False, seed=6)
+    prompts = random_prompts(6)
+    two = LLM(str(tmp_path), num_gpu_blocks=64, dtype="float32", tensor_parallel_size=2)
+    try:
+        for prompt, out in zip(prompts, two.generate(prompts, GREEDY)):
+            assert out.outputs[0].token_ids == hf_greedy_logprobs(hf_model, prompt)[0]
+        assert [r["kv_heads"] for r in two.group.stats()["ranks"]] == [[1, 2, 2]]
+        assert two.cache_stats()["tensor_parallel"]["kv_replication"] == 2.0
+    finally:
+        two.close()
 
 
 def test_prefix_caching_and_preemption_at_tp2(ray_local, gqa4):
@@ -255,7 +293,7 @@ def test_smollm2_at_tp3_matches_tp1(ray_local, llm):
     three = LLM("smollm2-135m", num_gpu_blocks=32, tensor_parallel_size=3)
     try:
         assert three.generate([prompt], sp)[0].outputs[0].token_ids == reference
-        assert [r["kv_heads"] for r in three.group.stats()["ranks"]] == [[1, 2], [2, 3]]
+        assert [r["kv_heads"] for r in three.group.stats()["ranks"]] == [[1], [2]]
     finally:
         three.close()
 

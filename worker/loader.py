@@ -64,7 +64,8 @@ def load_config(model: str) -> ModelConfig:
     return ModelConfig.from_json_file(src.path / "config.json", model_id=src.model_id)
 
 
-def read_safetensors(path: Path, slices: dict[str, tuple[int, int, int]] | None = None) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path, slices: dict[str, tuple[int, list[tuple[int, int]]]] | None = None
+                     ) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint; with `slices` (a tensor-parallel rank's), the sharded ones
     are read as that slice only, straight from the file, so no rank holds the whole model."""
     from safetensors import safe_open
@@ -80,9 +81,10 @@ def read_safetensors(path: Path, slices: dict[str, tuple[int, int, int]] | None 
                 if cut is None:
                     weights[name] = st.get_tensor(name)
                     continue
-                dim, start, end = cut
+                dim, ranges = cut
                 part = st.get_slice(name)
-                weights[name] = part[start:end] if dim == 0 else part[:, start:end]
+                pieces = [part[a:b] if dim == 0 else part[:, a:b] for a, b in ranges]
+                weights[name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
     return weights
 
 

@@ -17,6 +17,7 @@ the same forward pass on its own heads.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -31,14 +32,16 @@ STEP, STOP = 1, 2  # message kinds
 
 @dataclass(frozen=True, slots=True)
 class TPShard:
-    """What rank `rank` of `size` holds: [start, end) ranges of query heads, KV heads and MLP columns."""
+    """What rank `rank` of `size` holds: [start, end) ranges of query heads and MLP columns, and the
+    (global) KV head behind each of its local KV heads, in order; a head may appear on several ranks,
+    or twice on one, when the heads do not split evenly."""
 
     rank: int
     size: int
     q_heads: tuple[int, int]
-    kv_heads: tuple[int, int]
+    kv_heads: tuple[int, ...]
     intermediate: tuple[int, int]
-    kv_replication: int  # ranks holding each KV head: 1, or size / KV heads when size > KV heads
+    kv_replication: float  # KV memory over an even split's: 1 when the heads split evenly
 
     @property
     def num_heads(self) -> int:
@@ -46,11 +49,20 @@ class TPShard:
 
     @property
     def num_kv_heads(self) -> int:
-        return self.kv_heads[1] - self.kv_heads[0]
+        return len(self.kv_heads)
 
 
 def plan_shard(config: ModelConfig, tp: int, rank: int) -> TPShard:
-    """ValueError naming tensor_parallel_size when the model cannot be cut into tp equal slices."""
+    """ValueError naming tensor_parallel_size when the model cannot be cut into tp equal slices.
+
+    Each rank takes h / tp query heads. Its query heads fall into runs of g = gcd(h / tp, h / h_kv)
+    consecutive heads that share one KV head and never straddle a rank, and the rank holds one local
+    KV head per run. So each local KV head serves g query heads (plain GQA on every rank):
+
+        h = 8, h_kv = 4, tp = 2:   g = 2   rank 0: kv (0, 1)      rank 1: kv (2, 3)        even split
+        h = 8, h_kv = 2, tp = 4:   g = 2   ranks: kv (0,) (0,) (1,) (1,)                   replicated x2
+        h = 12, h_kv = 3, tp = 2:  g = 2   rank 0: kv (0, 0, 1)   rank 1: kv (1, 2, 2)     replicated x2
+    """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
     if not 0 <= rank < tp:
@@ -61,36 +73,37 @@ def plan_shard(config: ModelConfig, tp: int, rank: int) -> TPShard:
     if inter % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide the model's intermediate size {inter}")
     q = h // tp
-    if hkv % tp == 0:
-        kv, replication = hkv // tp, 1
-        kv_start = rank * kv
-    elif tp % hkv == 0:  # more ranks than KV heads: each head on tp / hkv ranks, one head per rank
-        kv, replication = 1, tp // hkv
-        kv_start = rank // replication
-    else:
-        raise ValueError(f"tensor_parallel_size {tp} and the model's {hkv} KV heads: one must divide the other")
+    kv = local_kv_heads(h, hkv, tp, rank)
     i = inter // tp
-    return TPShard(rank, tp, (rank * q, (rank + 1) * q), (kv_start, kv_start + kv), (rank * i, (rank + 1) * i),
-                   replication)
+    return TPShard(rank, tp, (rank * q, (rank + 1) * q), kv, (rank * i, (rank + 1) * i), len(kv) * tp / hkv)
 
 
-def shard_slices(config: ModelConfig, shard: TPShard) -> dict[str, tuple[int, int, int]]:
-    """Checkpoint tensor name suffix -> (dim, start, end) of this rank's slice; names absent are whole."""
+def local_kv_heads(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> tuple[int, ...]:
+    """The global KV head behind each of rank `rank`'s local KV heads (see plan_shard); tp must
+    divide num_heads."""
+    q, per_kv = num_heads // tp, num_heads // num_kv_heads
+    run = math.gcd(q, per_kv)
+    return tuple((rank * q + j * run) // per_kv for j in range(q // run))
+
+
+def shard_slices(config: ModelConfig, shard: TPShard) -> dict[str, tuple[int, list[tuple[int, int]]]]:
+    """Checkpoint tensor name suffix -> (dim, [start, end) ranges to concatenate) of this rank's
+    slice; names absent are loaded whole."""
     d = config.head_dim
-    q0, q1 = (x * d for x in shard.q_heads)
-    k0, k1 = (x * d for x in shard.kv_heads)
-    i0, i1 = shard.intermediate
+    q = [(shard.q_heads[0] * d, shard.q_heads[1] * d)]
+    kv = [(k * d, (k + 1) * d) for k in shard.kv_heads]
+    mlp = [shard.intermediate]
     return {
-        "self_attn.q_proj.weight": (0, q0, q1), "self_attn.q_proj.bias": (0, q0, q1),
-        "self_attn.k_proj.weight": (0, k0, k1), "self_attn.k_proj.bias": (0, k0, k1),
-        "self_attn.v_proj.weight": (0, k0, k1), "self_attn.v_proj.bias": (0, k0, k1),
-        "self_attn.o_proj.weight": (1, q0, q1),
-        "mlp.gate_proj.weight": (0, i0, i1), "mlp.up_proj.weight": (0, i0, i1),
-        "mlp.down_proj.weight": (1, i0, i1),
+        "self_attn.q_proj.weight": (0, q), "self_attn.q_proj.bias": (0, q),
+        "self_attn.k_proj.weight": (0, kv), "self_attn.k_proj.bias": (0, kv),
+        "self_attn.v_proj.weight": (0, kv), "self_attn.v_proj.bias": (0, kv),
+        "self_attn.o_proj.weight": (1, q),
+        "mlp.gate_proj.weight": (0, mlp), "mlp.up_proj.weight": (0, mlp),
+        "mlp.down_proj.weight": (1, mlp),
     }
 
 
-def slice_for(name: str, slices: dict[str, tuple[int, int, int]]) -> tuple[int, int, int] | None:
+def slice_for(name: str, slices: dict[str, tuple[int, list[tuple[int, int]]]]) -> tuple[int, list] | None:
     """The slice of a layer tensor `model.layers.<i>.<suffix>`, or None to load it whole."""
     if not name.startswith("model.layers."):
         return None
