@@ -59,9 +59,10 @@ class WorkerActor:
         from kvstrata.cluster.wire import decode_request, encode_error, encode_item
 
         try:
-            rid, ids, params, text, salt, pins, tenant = decode_request(request)
-            async for item in self.service.generate(ids, params, request_id=rid, cache_salt=salt, prompt=text,
-                                                    cache_pins=pins or None, tenant=tenant):
+            call = decode_request(request)
+            async for item in self.service.generate(call.prompt_token_ids, call.params, request_id=call.request_id,
+                                                    cache_salt=call.cache_salt, prompt=call.prompt,
+                                                    cache_pins=call.cache_pins or None, tenant=call.tenant):
                 yield encode_item(item, self.worker_id)
         except Exception as e:  # noqa: BLE001 - refused or failed: the front end raises it again
             yield encode_error(e, self.worker_id)

@@ -4,6 +4,8 @@ error kind that the front end raises again as the same exception."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvstrata.cluster.engine_service import Delta, Draining, EngineFailed, Overloaded, StreamItem, Usage
 from kvstrata.protos.v1 import cluster_pb2 as cpb
 from kvstrata.protos.v1 import generation_pb2 as pb
@@ -33,8 +35,20 @@ def encode_request(request_id: str, prompt_token_ids: list[int], params: Samplin
     return msg.SerializeToString()
 
 
-def decode_request(data: bytes) -> tuple[str, list[int], SamplingParams, str | None, str, list[tuple[int, float]], str]:
-    """(request_id, prompt ids, params, prompt text, cache salt, cache pins, tenant)."""
+@dataclass(frozen=True, slots=True)
+class WorkerCall:
+    """A request as a worker receives it: EngineService.generate's arguments."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    cache_salt: str
+    cache_pins: list[tuple[int, float]]
+    tenant: str
+
+
+def decode_request(data: bytes) -> WorkerCall:
     msg = cpb.WorkerRequest()
     msg.ParseFromString(data)
     if msg.encoding_version != ENCODING_VERSION:
@@ -47,7 +61,7 @@ def decode_request(data: bytes) -> tuple[str, list[int], SamplingParams, str | N
                             priority=s.priority)
     text = msg.prompt_text if msg.HasField("prompt_text") else None
     pins = [(p.num_tokens, p.ttl_seconds) for p in msg.cache_pins]
-    return msg.request_id, list(msg.prompt_token_ids), params, text, msg.cache_salt, pins, msg.tenant
+    return WorkerCall(msg.request_id, list(msg.prompt_token_ids), params, text, msg.cache_salt, pins, msg.tenant)
 
 
 def encode_item(item: StreamItem, worker_id: str) -> bytes:

@@ -26,9 +26,10 @@ def test_requests_and_items_round_trip_as_protobuf():
                             stop_token_ids=[2], n=2, logprobs=1, ignore_eos=True, priority=1)
     data = encode_request("r1", [5, 6, 7], params, "hi", "salt", [(16, 300.0)], "t1")
     assert isinstance(data, bytes)
-    rid, ids, got, text, salt, pins, tenant = decode_request(data)
-    assert (rid, ids, text, salt, pins, tenant) == ("r1", [5, 6, 7], "hi", "salt", [(16, 300.0)], "t1")
-    assert got == params  # every field, temperature at full precision
+    call = decode_request(data)
+    assert (call.request_id, call.prompt_token_ids, call.prompt, call.cache_salt, call.cache_pins, call.tenant) == (
+        "r1", [5, 6, 7], "hi", "salt", [(16, 300.0)], "t1")
+    assert call.params == params  # every field, temperature at full precision
     item = StreamItem([Delta(1, [9, 10], "ab", "length", [{9: -0.5}, {10: -0.25}])], Usage(3, 2, 1, 0))
     back = decode_item(encode_item(item, "kvstrata-worker-1"))
     assert back.deltas == item.deltas and back.usage == item.usage and back.worker == "kvstrata-worker-1"

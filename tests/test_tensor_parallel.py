@@ -83,9 +83,10 @@ def test_step_message_round_trip():
     tier_ops = [(1, [3, 5], [0, 1]), (2, [1], [7])]  # to DRAM, then back, in that order
     fields = pack_step(torch.tensor([7, 8, 9, 10]), torch.tensor([21, 17, 18, 19]), meta, [4], [6], tier_ops)
     assert all(f.dtype == torch.long for f in fields)  # tensors only: nothing pickled on the wire
-    ids, pos, got, src, dst, ops = unpack_step(fields, block_size=16, device=torch.device("cpu"))
-    assert ids.tolist() == [7, 8, 9, 10] and pos.tolist() == [21, 17, 18, 19] and (src, dst) == ([4], [6])
-    assert ops == tier_ops
+    step = unpack_step(fields, block_size=16, device=torch.device("cpu"))
+    got = step.meta
+    assert step.input_ids.tolist() == [7, 8, 9, 10] and step.positions.tolist() == [21, 17, 18, 19]
+    assert step.block_copies == [(4, 6)] and step.tier_ops == tier_ops
     assert got.num_decodes == 1 and got.decode_block_tables.tolist() == [[0, 2]]
     assert got.decode_seq_lens.tolist() == [22] and got.slot_mapping.tolist() == [5, 17, 18, 19]
     assert got.decode_mask.shape == (1, 1, 1, 32) and int(got.decode_mask.sum()) == 22

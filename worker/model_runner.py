@@ -103,18 +103,17 @@ class ModelRunner:
 
     def follow(self, fields: list[torch.Tensor]) -> None:
         """Another rank's side of rank 0's `execute`: the same copies and forward pass, no logits."""
-        input_ids, positions, meta, src, dst, tier_ops = unpack_step(fields, self.block_size, self.device,
-                                                                     self.cpu_kernels)
-        if tier_ops:
+        step = unpack_step(fields, self.block_size, self.device, self.cpu_kernels)
+        if step.tier_ops:
             from kvstrata.tiering.manager import TO_HOST, copy_to_device, copy_to_host
 
-            for kind, a, b in tier_ops:  # rank 0 made these before its forward pass, in this order
+            for kind, a, b in step.tier_ops:  # rank 0 made these before its forward pass, in this order
                 if kind == TO_HOST:
                     copy_to_host(self.kv_cache, a, self.host_storage, b, self.cpu_kernels)
                 else:
                     copy_to_device(self.host_storage, a, self.kv_cache, b, self.cpu_kernels)
-        self.copy_blocks([BlockCopy(s, d) for s, d in zip(src, dst)])
-        self.model.forward(input_ids, positions, meta, self.kv_cache)
+        self.copy_blocks([BlockCopy(s, d) for s, d in step.block_copies])
+        self.model.forward(step.input_ids, step.positions, step.meta, self.kv_cache)
 
     def _prepare(self, batch: ScheduledBatch):
         bs = self.block_size

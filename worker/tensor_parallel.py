@@ -186,8 +186,19 @@ def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionM
     ]
 
 
-def unpack_step(fields: list[torch.Tensor], block_size: int, device: torch.device, cpu_kernels=None):
-    """(input_ids, positions, meta, copies_src, copies_dst, tier_ops) from pack_step's fields."""
+@dataclass(slots=True)
+class StepMessage:
+    """One step as another rank receives it."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write copies, before the forward pass
+    tier_ops: list[tuple[int, list[int], list[int]]]  # (kind, src ids, dst ids): DRAM tier copies, first
+
+
+def unpack_step(fields: list[torch.Tensor], block_size: int, device: torch.device, cpu_kernels=None) -> StepMessage:
+    """pack_step's fields back into a step."""
     (counts, input_ids, positions, slots, tables, seq_lens, prefill_info, prefill_ids, src, dst,
      kinds, lens, tier_src, tier_dst) = fields
     d, width, num_prefills = (int(x) for x in counts.tolist())
@@ -210,4 +221,5 @@ def unpack_step(fields: list[torch.Tensor], block_size: int, device: torch.devic
     for kind, n in zip(kinds.tolist(), lens.tolist()):
         tier_ops.append((kind, tier_src[offset:offset + n].tolist(), tier_dst[offset:offset + n].tolist()))
         offset += n
-    return input_ids.to(device), positions.to(device), meta, src.tolist(), dst.tolist(), tier_ops
+    return StepMessage(input_ids.to(device), positions.to(device), meta, list(zip(src.tolist(), dst.tolist())),
+                       tier_ops)
