@@ -17,7 +17,16 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from kvstrata.cluster.cluster_actors import ROUTER_NAME, WORKER_NAME, RouterActor, WorkerActor
-from kvstrata.cluster.engine_service import Draining, EngineFailed, ModelInfo, Overloaded, RequestTimer, StreamItem
+from kvstrata.cluster.engine_service import (
+    Drainable,
+    Draining,
+    EngineFailed,
+    ModelInfo,
+    Overloaded,
+    RequestTimer,
+    StreamItem,
+    first_line,
+)
 from kvstrata.cluster.wire import decode_item, encode_request
 from kvstrata.worker.sampling_params import SamplingParams
 
@@ -38,7 +47,7 @@ class ClusterSpec:
     worker_gpus: float = 0.0
 
 
-class ClusterService:
+class ClusterService(Drainable):
     def __init__(self, routers: list, workers: dict[str, Any], model_info: ModelInfo, max_tokens_limit: int,
                  metrics=None):
         self.routers = routers
@@ -46,7 +55,6 @@ class ClusterService:
         self.model_info = model_info
         self.max_tokens_limit = max_tokens_limit
         self.metrics = metrics
-        self.draining = False
         self._in_flight = 0
         self._ids = itertools.count()
         self._next_router = itertools.cycle(range(len(routers)))
@@ -82,7 +90,7 @@ class ClusterService:
                 try:
                     item = decode_item(await ref)  # a refusal on the worker raises here, as it would locally
                 except ray.exceptions.RayActorError as e:  # the worker died (Ray restarts it)
-                    raise EngineFailed(f"{worker_id} failed: {_first_line(e)}") from None
+                    raise EngineFailed(f"{worker_id} failed: {first_line(e)}") from None
                 except (ValueError, Overloaded, Draining) as e:
                     state = "refused"
                     timer.reject({ValueError: "invalid", Overloaded: "overloaded"}.get(type(e), "draining"))
@@ -114,8 +122,8 @@ class ClusterService:
             except ray.exceptions.RayActorError as e:  # restarting: try another
                 error = e
             except RuntimeError as e:  # no healthy worker right now
-                raise EngineFailed(f"no worker can take the request: {_first_line(e)}") from None
-        raise EngineFailed(f"no router answered: {_first_line(error)}")
+                raise EngineFailed(f"no worker can take the request: {first_line(e)}") from None
+        raise EngineFailed(f"no router answered: {first_line(error)}")
 
     async def cache_stats(self) -> dict[str, Any]:
         """Totals over the workers, and each worker's own stats under `workers`."""
@@ -138,19 +146,6 @@ class ClusterService:
 
     async def flush_cache(self) -> int:
         return sum(await asyncio.gather(*(w.flush_cache.remote() for w in self.workers.values())))
-
-    def drain(self) -> int:
-        self.draining = True
-        return self.num_in_flight
-
-    async def wait_idle(self, timeout: float) -> bool:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self.num_in_flight:
-            if loop.time() >= deadline:
-                return False
-            await asyncio.sleep(0.05)
-        return True
 
     def shutdown(self) -> None:
         """Close every worker and router at once (each finishes its engine and publisher), then kill them."""
@@ -198,11 +193,6 @@ def start_cluster(spec: ClusterSpec, metrics=None) -> ClusterService:
     tokenizer = _tokenizer(model)
     model_info = ModelInfo(info["model_id"], tokenizer, config, info["dtype"], info["max_model_len"], info["block_size"])
     return ClusterService(routers, workers, model_info, spec.max_tokens_limit, metrics)
-
-
-def _first_line(e: BaseException | None) -> str:
-    lines = str(e).strip().splitlines() if e is not None else []
-    return lines[0] if lines else type(e).__name__
 
 
 def _tokenizer(model: str):

@@ -35,6 +35,12 @@ class Draining(Exception):
     """The service no longer admits requests (drain or shutdown)."""
 
 
+def first_line(e: BaseException | None) -> str:
+    """An exception's first line of text (Ray's carry a traceback), or its type's name."""
+    lines = str(e).strip().splitlines() if e is not None else []
+    return lines[0] if lines else type(e).__name__
+
+
 class EngineFailed(RuntimeError):
     """An engine step failed (e.g. a tensor-parallel rank died) and took the requests in it down;
     the caller should answer UNAVAILABLE / HTTP 503: a retry may succeed once the engine recovers."""
@@ -171,7 +177,28 @@ class RequestTimer:
             self.metrics.observe_rejected(reason)
 
 
-class EngineService:
+class Drainable:
+    """Draining, for a service that counts its requests in flight (`num_in_flight`)."""
+
+    draining = False
+
+    def drain(self) -> int:
+        """Stop admitting requests; those in flight run to completion. Returns how many there are."""
+        self.draining = True
+        return self.num_in_flight
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until nothing is in flight, up to timeout seconds; True if it got there."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.num_in_flight:
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+
+class EngineService(Drainable):
     """Owns an `LLMEngine` and its step thread. `max_waiting` bounds requests not yet admitted."""
 
     def __init__(self, engine: LLMEngine, max_waiting: int = 256, max_tokens_limit: int = 4096,
@@ -289,21 +316,6 @@ class EngineService:
 
     async def flush_cache(self) -> int:
         return await self.call(lambda e: e.kv.reset_prefix_cache())
-
-    def drain(self) -> int:
-        """Stop admitting requests; those in flight run to completion. Returns how many there are."""
-        self.draining = True
-        return self.num_in_flight
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until nothing is in flight, up to timeout seconds; True if it got there."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self.num_in_flight:
-            if loop.time() >= deadline:
-                return False
-            await asyncio.sleep(0.02)
-        return True
 
     def shutdown(self) -> None:
         """Abort everything in flight and stop the engine thread."""

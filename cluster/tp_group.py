@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kvstrata.cluster.engine_service import first_line
 from kvstrata.worker.tensor_parallel import STOP, TPComm, plan_shard
 
 log = logging.getLogger(__name__)
@@ -212,7 +213,7 @@ class WorkerGroup:
             ray.get(ref)
             return f"tensor-parallel rank {rank} ({self.names[rank - 1]}) stopped unexpectedly"
         except Exception as e:  # RayActorError when the process died
-            return f"tensor-parallel rank {rank} ({self.names[rank - 1]}) died: {type(e).__name__}: {_first_line(e)}"
+            return f"tensor-parallel rank {rank} ({self.names[rank - 1]}) died: {type(e).__name__}: {first_line(e)}"
 
     def _dead_actor(self) -> int | None:
         import ray
@@ -259,7 +260,3 @@ class WorkerGroup:
         return {"worker_id": self.worker_id, "backend": self.backend, "ranks": self.ranks,
                 "failed": str(self.failed) if self.failed else None}
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else ""
