@@ -14,18 +14,14 @@ the end of the step that samples the first token. Transfer rates come from the t
 are compared with a memcpy and with sequential file writes and reads on the NVMe tier's disk, in the
 tier's own IO mode (O_DIRECT where the filesystem has it), measured first.
 
-The admission study runs the NVMe config twice more, once per NVMe admission mode, on the same chat
-with a one-shot prompt (random tokens, never seen again) after every turn and an NVMe tier that holds
-only part of the chat: what each mode keeps on a full disk, and what that is worth in hits.
+The admission study (`kvstrata.cluster.bench.admission`) runs the NVMe config once per NVMe
+admission mode, with one-shot prompts mixed into the chat and a disk that holds only part of it.
 """
 
 from __future__ import annotations
 
 import gc
 import math
-import mmap
-import os
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -33,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstrata.cluster.bench.bandwidth import MB, DiskRates, References, measure_references
 from kvstrata.cluster.bench.throughput import Progress, percentile
 from kvstrata.cluster.bench.workloads import multi_turn
 from kvstrata.worker.model_source import DEFAULT_MODEL
@@ -41,8 +38,6 @@ BLOCK_SIZE = 16  # the engine's default
 TARGET_BANDWIDTH_RATIO = 0.8
 NVME_FILE_OVERHEAD = 4096  # a block file's header, with room to spare, for sizing the NVMe tier
 CONFIGS = ("device", "dram", "nvme")  # run in this order; "device" is the baseline of the others
-PROBE_FILE = ".kvstrata-disk-probe"
-_MB = 1 << 20
 
 
 # -- the chat -------------------------------------------------------------------------------------
@@ -90,8 +85,8 @@ class TieringSettings:
     dtype: str = "float32"
     dram_blocks: int | None = None  # the DRAM tier of both tiered configs; None: half the chat
     nvme_blocks: int | None = None  # None: room for every block of the chat
-    memcpy_bytes: int = 512 * _MB
-    disk_probe_bytes: int = 256 * _MB
+    memcpy_bytes: int = 512 * MB
+    disk_probe_bytes: int = 256 * MB
 
     def check(self) -> None:
         """ValueError naming the flag, for combinations argparse cannot see."""
@@ -114,112 +109,6 @@ class TieringSettings:
         if config == "nvme":
             return dram, self.nvme_blocks or self.num_chat_blocks
         return None, None
-
-
-# -- reference bandwidths -------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class DiskRates:
-    """Sequential bytes/s of one thread on a file in the NVMe directory."""
-
-    write: float  # buffered writes, no fsync
-    write_fsync: float  # the same plus fsync: the disk itself
-    read_cold: float  # after dropping the file from the page cache
-    read_warm: float  # the same file again, from the page cache
-    write_direct: float | None = None  # O_DIRECT, past the page cache (None: the filesystem has none)
-    read_direct: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class References:
-    memcpy: float  # bytes copied per second by torch (which may use every core)
-    disk: DiskRates
-
-    def to_json(self) -> dict[str, float | None]:
-        disk = {f"disk_{k}": _round(v and v / 1e9, 3) for k, v in asdict(self.disk).items()}
-        return {"memcpy": round(self.memcpy / 1e9, 3), **disk}
-
-
-def measure_memcpy(num_bytes: int) -> float:
-    from kvstrata.cluster.bench.roofline import measure_bandwidth
-
-    _, copy = measure_bandwidth(num_bytes, repeats=3)
-    return copy / 2  # measure_bandwidth counts read + write; a transfer counts its bytes once
-
-
-def measure_disk(directory: Path, num_bytes: int, chunk: int = 8 * _MB,
-                 clock: Callable[[], float] = time.perf_counter) -> DiskRates:
-    """Write a file of num_bytes in large buffered writes, fsync it, drop it from the page cache, and
-    read it twice (from disk, then from the page cache)."""
-    chunk = min(chunk, num_bytes)
-    n = max(1, num_bytes // chunk)
-    data = os.urandom(chunk)
-    path = directory / PROBE_FILE
-    try:
-        with open(path, "wb") as f:
-            t0 = clock()
-            f.writelines(data for _ in range(n))
-            f.flush()
-            t1 = clock()
-            os.fsync(f.fileno())
-            t2 = clock()
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        reads = []
-        buf = bytearray(chunk)
-        for _ in range(2):
-            with open(path, "rb", buffering=0) as f:
-                t = clock()
-                while f.readinto(buf):
-                    pass
-                reads.append(clock() - t)
-    finally:
-        path.unlink(missing_ok=True)
-    total = n * chunk
-    direct = measure_direct(directory, n, chunk, clock)
-    return DiskRates(total / (t1 - t0), total / (t2 - t0), total / reads[0], total / reads[1], *direct)
-
-
-def measure_direct(directory: Path, n: int, chunk: int,
-                   clock: Callable[[], float] = time.perf_counter) -> tuple[float | None, float | None]:
-    """(write, read) bytes/s of n sequential O_DIRECT chunks (page-aligned buffer); Nones where the
-    filesystem refuses O_DIRECT."""
-    chunk = max(mmap.PAGESIZE, chunk // mmap.PAGESIZE * mmap.PAGESIZE)
-    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
-    buf.write(os.urandom(chunk))
-    path = directory / PROBE_FILE
-    try:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
-        except (OSError, AttributeError):
-            return None, None
-        try:
-            t0 = clock()
-            for i in range(n):
-                os.pwritev(fd, [buf], i * chunk)
-            t1 = clock()
-            for i in range(n):
-                os.preadv(fd, [buf], i * chunk)
-            t2 = clock()
-        except OSError:  # EINVAL on the first IO: open accepted the flag, the filesystem does not
-            return None, None
-        finally:
-            os.close(fd)
-    finally:
-        path.unlink(missing_ok=True)
-        buf.close()
-    return n * chunk / (t1 - t0), n * chunk / (t2 - t1)
-
-
-def measure_references(directory: Path, memcpy_bytes: int, disk_bytes: int, repeats: int = 3) -> References:
-    """The best of `repeats` disk probes, figure by figure: this VM's disk swings by 10x between runs,
-    and a reference must not be flattered by one slow moment."""
-    probes = [measure_disk(directory, disk_bytes) for _ in range(repeats)]
-
-    def best(k: str) -> float | None:
-        xs = [getattr(p, k) for p in probes if getattr(p, k) is not None]
-        return max(xs) if xs else None
-
-    return References(measure_memcpy(memcpy_bytes), DiskRates(*(best(k) for k in DiskRates.__slots__)))
 
 
 # -- one run --------------------------------------------------------------------------------------
@@ -536,86 +425,3 @@ def _label(gpu_blocks: int, dram_blocks: int | None, nvme_blocks: int | None) ->
     if nvme_blocks is None:
         return f"+ DRAM ({dram_blocks} blocks)"
     return f"+ DRAM ({dram_blocks}) + NVMe ({nvme_blocks} blocks)"
-
-
-# -- the admission study --------------------------------------------------------------------------
-
-@dataclass
-class AdmissionResult:
-    mode: str  # an NVMe admission mode
-    wall_s: float
-    turns: list[TurnResult] = field(repr=False)  # the chat's turns; the one-shot prompts are not here
-    tiers: dict
-
-    @property
-    def hit_rate(self) -> float:
-        return sum(t.num_cached_tokens for t in self.turns) / sum(t.num_prompt_tokens for t in self.turns)
-
-    @property
-    def follow_up_ttft_p50_ms(self) -> float:
-        return percentile([t.ttft_s for t in self.turns if t.turn], 50) * 1e3
-
-    def summary(self) -> dict[str, Any]:
-        nvme = self.tiers["nvme"]
-        return {"mode": self.mode, "hit_rate": round(self.hit_rate, 4), "wall_s": round(self.wall_s, 3),
-                "follow_up_ttft_p50_ms": round(self.follow_up_ttft_p50_ms, 2),
-                "nvme_blocks_written": nvme["writes"], "nvme_bytes_written": nvme["bytes_written"],
-                "admission_rejects": nvme["admission_rejects"], "nvme_blocks_loaded": nvme["loaded_blocks"],
-                "nvme_evictions": nvme["evictions"]}
-
-
-@dataclass
-class AdmissionReport:
-    settings: TieringSettings
-    dram_blocks: int
-    nvme_blocks: int
-    one_shot_len: int
-    results: list[AdmissionResult]
-
-    @property
-    def outputs_identical(self) -> bool:
-        answers = [[t.output_token_ids for t in r.turns] for r in self.results]
-        return all(a == answers[0] for a in answers[1:])
-
-    def to_json(self) -> dict[str, Any]:
-        s = self.settings
-        return {"chat": asdict(s.chat), "gpu_blocks": s.gpu_blocks, "dram_blocks": self.dram_blocks,
-                "nvme_blocks": self.nvme_blocks, "chat_blocks": s.num_chat_blocks, "one_shot_len": self.one_shot_len,
-                "outputs_identical": self.outputs_identical, "modes": [r.summary() for r in self.results]}
-
-
-def run_admission_study(settings: TieringSettings, nvme_dir: Path, one_shot_len: int,
-                        clock: Callable[[], float] = time.perf_counter) -> AdmissionReport:
-    """The NVMe config (with `settings.nvme_blocks`, default half the chat) on the chat with a one-shot
-    prompt of one_shot_len random tokens after every turn, once per admission mode."""
-    import torch
-
-    from kvstrata.cluster.sizing import load_model_config
-    from kvstrata.tiering.manager import ADMISSION_MODES
-    from kvstrata.worker.llm import LLM
-
-    settings.check()
-    itemsize = torch.empty((), dtype=getattr(torch, settings.dtype)).element_size()
-    block_bytes = load_model_config(settings.model).kv_bytes_per_token(itemsize) * BLOCK_SIZE
-    nvme_dir.mkdir(parents=True, exist_ok=True)
-    dram_blocks, _ = settings.tier_blocks("dram")
-    nvme_blocks = settings.nvme_blocks or max(1, settings.num_chat_blocks // 2)
-    messages = settings.chat.user_messages()
-    rng = random.Random(settings.chat.seed + 1)
-    num_turns = settings.chat.num_conversations * settings.chat.num_turns
-    one_shots = [[rng.randrange(100, 30000) for _ in range(one_shot_len)] for _ in range(num_turns)]
-    results = []
-    for mode in sorted(ADMISSION_MODES):
-        llm = LLM(settings.model, num_gpu_blocks=settings.gpu_blocks, block_size=BLOCK_SIZE, dtype=settings.dtype,
-                  nvme_admission=mode, **_tier_kwargs(dram_blocks, nvme_blocks, nvme_dir, block_bytes))
-        try:
-            warm_up(llm)
-            wall, turns = run_chat(llm, messages, settings.chat.answer_len, clock, label=f"admission {mode}",
-                                   one_shots=one_shots)
-            results.append(AdmissionResult(mode, wall, turns, llm.cache_stats()["tiers"]))
-            llm.reset_prefix_cache()
-        finally:
-            llm.close()
-        del llm
-        gc.collect()
-    return AdmissionReport(settings, dram_blocks, nvme_blocks, one_shot_len, results)

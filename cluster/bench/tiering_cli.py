@@ -11,16 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.cluster.argtypes import integer, non_negative_int, positive_int, positive_number
+from kvstrata.cluster.bench.admission import AdmissionReport, run_admission_study
+from kvstrata.cluster.bench.bandwidth import MB
 from kvstrata.cluster.bench.tiering import (
-    _MB,
     BLOCK_SIZE,
     TARGET_BANDWIDTH_RATIO,
-    AdmissionReport,
     ChatShape,
     TieringReport,
     TieringSettings,
     conversations_for,
-    run_admission_study,
     run_tiering_bench,
 )
 from kvstrata.worker.model_source import DEFAULT_MODEL
@@ -179,7 +178,7 @@ def settings_from_args(args: argparse.Namespace) -> TieringSettings:
         pick["kv_ratio"], pick["gpu_blocks"], pick["turns"], pick["system_len"], pick["user_len"], pick["answer_len"])
     chat = ChatShape(conversations, pick["turns"], pick["system_len"], pick["user_len"], pick["answer_len"], args.seed)
     settings = TieringSettings(chat, pick["gpu_blocks"], args.model, args.dtype, args.dram_blocks,
-                               args.nvme_blocks, pick["memcpy_mb"] * _MB, pick["disk_probe_mb"] * _MB)
+                               args.nvme_blocks, pick["memcpy_mb"] * MB, pick["disk_probe_mb"] * MB)
     settings.check()
     return settings
 
