@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
+from kvstrata.tiering.admission import AdmissionPolicy
 from kvstrata.tiering.host import HostTier
-from kvstrata.tiering.manager import AdmissionPolicy
 from kvstrata.worker.block_pool import BlockPool
 from kvstrata.worker.sampling_params import SamplingParams
 

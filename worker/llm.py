@@ -45,7 +45,7 @@ class LLM:
         _check_positive("max_num_batched_tokens", max_num_batched_tokens)
         _check_positive("max_num_seqs", max_num_seqs)
         _check_tier_args(cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes)
-        from kvstrata.tiering.manager import AdmissionPolicy
+        from kvstrata.tiering.admission import AdmissionPolicy
 
         admission = AdmissionPolicy(nvme_admission)  # ValueError naming nvme_admission
         if pin_quota_bytes is not None:

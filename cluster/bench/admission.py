@@ -74,7 +74,7 @@ def run_admission_study(settings: TieringSettings, nvme_dir: Path, one_shot_len:
     import torch
 
     from kvstrata.cluster.sizing import load_model_config
-    from kvstrata.tiering.manager import ADMISSION_MODES
+    from kvstrata.tiering.admission import ADMISSION_MODES
     from kvstrata.worker.llm import LLM
 
     settings.check()
