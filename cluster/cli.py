@@ -10,8 +10,11 @@ from pathlib import Path
 from kvstrata.cluster.argtypes import integer, non_negative_float, positive_int
 from kvstrata.cluster.bench.cli import add_bench_parser
 from kvstrata.cluster.client_cmd import add_client_parser
-from kvstrata.cluster.serve_cmd import add_serve_parser
+from kvstrata.cluster.serve_cmd import add_serve_parser, eviction_spec
+from kvstrata.cluster.eval_cmd import add_eval_parser
 from kvstrata.cluster.size_cmd import add_size_parser
+from kvstrata.cluster.status_cmd import add_status_parser
+from kvstrata.worker.kv_dtypes import KV_DTYPE_NAMES
 from kvstrata.worker.model_source import DEFAULT_MODEL
 
 
@@ -39,6 +42,11 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--max-model-len", type=integer, default=None)
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: this process and tp - 1 Ray actors (default 1)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, default="auto",
+                   help="KV cache storage: auto (the model's dtype), fp16, bf16, fp8_e4m3, fp8_e5m2, int8, int4")
+    p.add_argument("--kv-eviction", type=eviction_spec, default=None, metavar="POLICY",
+                   help="token eviction (lossy): sliding_window(W), streaming(sinks=S, window=W), "
+                        "h2o(heavy=H, recent=R) or snapkv(window=O, budget=B)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt, one per line")
     p.set_defaults(func=run_generate)
 
@@ -69,7 +77,8 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     llm = LLM(model=args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-              max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tp)
+              max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tp,
+              kv_dtype=args.kv_dtype, kv_eviction=args.kv_eviction)
     try:
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -100,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_parser(sub)
     add_size_parser(sub)
     add_bench_parser(sub)
+    add_eval_parser(sub)
+    add_status_parser(sub)
     return parser
 
 

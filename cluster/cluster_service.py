@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from kvstrata.cluster.cluster_actors import ROUTER_NAME, WORKER_NAME, RouterActor, WorkerActor
+from kvstrata.cluster.cluster_actors import NAMESPACE, ROUTER_NAME, WORKER_NAME, RouterActor, WorkerActor
 from kvstrata.cluster.engine_service import (
     Drainable,
     Draining,
@@ -51,6 +51,7 @@ class ClusterService(Drainable):
     def __init__(self, routers: list, workers: dict[str, Any], model_info: ModelInfo, max_tokens_limit: int,
                  metrics=None):
         self.routers = routers
+        self.placement_groups: list = []  # the worker groups' (tp > 1), removed at shutdown
         self.workers = workers
         self.model_info = model_info
         self.max_tokens_limit = max_tokens_limit
@@ -159,6 +160,8 @@ class ClusterService(Drainable):
             pass
         for handle in handles:
             ray.kill(handle)
+        for group in self.placement_groups:
+            ray.util.remove_placement_group(group)
 
     async def router_stats(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(r.stats.remote() for r in self.routers)))
@@ -171,7 +174,8 @@ def start_cluster(spec: ClusterSpec, metrics=None) -> ClusterService:
     from kvstrata.worker.loader import load_config
 
     if not ray.is_initialized():
-        ray.init(address=spec.address, include_dashboard=False) if spec.address else ray.init(include_dashboard=False)
+        ray.init(address=spec.address, include_dashboard=False, namespace=NAMESPACE) if spec.address \
+            else ray.init(include_dashboard=False, namespace=NAMESPACE)
     model = spec.llm_kwargs.get("model", "smollm2-135m")
     block_size = spec.llm_kwargs.get("block_size", 16)
     config = load_config(model)
@@ -180,19 +184,50 @@ def start_cluster(spec: ClusterSpec, metrics=None) -> ClusterService:
     # Ray restarts a router or a worker that dies: a new worker incarnation replaces the old one's index
     # entries, and a new router rebuilds its index (from Redis, or by asking every worker)
     routers = [router_cls.options(name=ROUTER_NAME.format(j), num_cpus=0, max_concurrency=64, max_restarts=-1)
-               .remote(j, worker_ids, spec.routing_policy, spec.redis, config.model_id, block_size)
+               .remote(j, worker_ids, spec.routing_policy, spec.redis, config.model_id, block_size,
+                       kv_dtype=spec.llm_kwargs.get("kv_dtype", "auto"))
                for j in range(spec.num_routers)]
     worker_cls = ray.remote(WorkerActor)
-    workers = {w: worker_cls.options(name=w, num_cpus=spec.worker_cpus, num_gpus=spec.worker_gpus,
-                                     max_concurrency=1000, max_restarts=-1)
-               .remote(i, spec.llm_kwargs, spec.redis, [ROUTER_NAME.format(j) for j in range(spec.num_routers)],
-                       spec.max_waiting, spec.max_tokens_limit)
-               for i, w in enumerate(worker_ids)}
+    workers, groups = {}, []
+    for i, w in enumerate(worker_ids):
+        placement, group = worker_placement(spec)
+        groups += [group] if group is not None else []
+        workers[w] = (worker_cls.options(name=w, **placement, max_concurrency=1000, max_restarts=-1)
+                      .remote(i, spec.llm_kwargs, spec.redis, [ROUTER_NAME.format(j) for j in range(spec.num_routers)],
+                              spec.max_waiting, spec.max_tokens_limit))
     infos = ray.get([workers[w].model_info.remote() for w in worker_ids])
     info = infos[0]
     tokenizer = _tokenizer(model)
     model_info = ModelInfo(info["model_id"], tokenizer, config, info["dtype"], info["max_model_len"], info["block_size"])
-    return ClusterService(routers, workers, model_info, spec.max_tokens_limit, metrics)
+    service = ClusterService(routers, workers, model_info, spec.max_tokens_limit, metrics)
+    service.placement_groups = groups
+    return service
+
+
+def worker_placement(spec: ClusterSpec, timeout_s: float = 120.0) -> tuple[dict[str, Any], Any]:
+    """Ray options that place one worker actor, and the placement group made for it (or None). With
+    tp > 1 the actor is rank 0 of its group: it runs in bundle 0 of a STRICT_PACK placement group of
+    tp bundles, and its ranks take the others, so a group uses exactly tp GPUs (or CPUs) on one node
+    and a restarted worker finds its place again."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from kvstrata.cluster.tp_group import rank_bundles
+
+    tp = spec.llm_kwargs.get("tensor_parallel_size", 1)
+    if tp == 1:
+        return {"num_cpus": spec.worker_cpus, "num_gpus": spec.worker_gpus}, None
+    gpu = spec.worker_gpus > 0
+    pg = placement_group(rank_bundles(tp, gpu), strategy="STRICT_PACK")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(f"tp {tp}: Ray could not place a worker group ({tp} {'GPUs' if gpu else 'CPUs'} on one "
+                           f"node) within {timeout_s:.0f} s") from None
+    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
+    return {"num_cpus": 1, "num_gpus": 1 if gpu else 0, "scheduling_strategy": strategy}, pg
 
 
 def _tokenizer(model: str):

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvstrata.cluster.argtypes import integer
+from kvstrata.worker.kv_dtypes import KV_DTYPE_NAMES
 from kvstrata.worker.model_source import DEFAULT_MODEL
 
 log = logging.getLogger("kvstrata.serve")
@@ -56,6 +57,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
           "tib": 1 << 40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
 
@@ -78,6 +89,16 @@ def _size(text: str) -> int:
 
 def _text(text: str) -> str:
     return str(text)
+
+
+def eviction_spec(text: str) -> str:
+    """A token eviction policy spec, checked and written out in full: "h2o(8, 8)" -> "h2o(heavy=8, recent=8)"."""
+    from kvstrata.worker.token_eviction import parse_eviction
+
+    try:
+        return parse_eviction(str(text), "kv_eviction").spec()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -104,6 +125,8 @@ OPTIONS = [
     Option("tp", _positive, 1, "tensor-parallel ranks: this process and tp - 1 Ray actors"),
     Option("workers", _positive, 1, "worker groups; more than 1 (or --redis, --address) runs a cluster on Ray"),
     Option("routers", _positive, 1, "router actors of a cluster"),
+    Option("worker_gpus", _non_negative_number, 0.0, "GPUs Ray reserves for each worker actor of a cluster (1 on "
+           "GPU nodes; the other tensor-parallel ranks reserve their own)"),
     Option("routing_policy", _text, "prefix_aware", "how routers place requests",
            ("prefix_aware", "round_robin", "least_loaded", "power_of_two")),
     Option("redis", _text, None, "the shared prefix index: redis://[user:password@]host:port/db, or rediss:// for "
@@ -116,6 +139,10 @@ OPTIONS = [
     Option("cpu_kv_bytes", _size, None, "a DRAM tier of this size under the KV pool (e.g. 8GiB)"),
     Option("nvme_kv_dir", _text, None, "an NVMe tier of KV block files in this directory (needs --cpu-kv-bytes)"),
     Option("nvme_kv_bytes", _size, None, "the NVMe tier's capacity (e.g. 200GiB)"),
+    Option("kv_dtype", _text, "auto", "store the KV cache as fp16, bf16, fp8_e4m3, fp8_e5m2, int8 or int4 "
+           "(lossy, see docs/engine.md); auto: the model's dtype", KV_DTYPE_NAMES),
+    Option("kv_eviction", eviction_spec, None, "a token eviction policy for every request (lossy): sliding_window(W), "
+           "streaming(sinks=S, window=W), h2o(heavy=H, recent=R) or snapkv(window=O, budget=B)"),
     Option("nvme_admission", _text, "reuse", "what a full NVMe tier takes: reuse (reused, shallow or pinned "
            "blocks) or all", ("reuse", "all")),
     Option("pin_quota_bytes", _size, None, "most KV one tenant may pin with cache_control (default: half the "
@@ -240,7 +267,8 @@ def _llm_kwargs(opts: dict[str, Any]) -> dict[str, Any]:
                 max_model_len=opts["max_model_len"], cpu_kv_bytes=opts["cpu_kv_bytes"],
                 nvme_kv_dir=opts["nvme_kv_dir"], nvme_kv_bytes=opts["nvme_kv_bytes"],
                 pin_quota_bytes=opts["pin_quota_bytes"], nvme_admission=opts["nvme_admission"],
-                tensor_parallel_size=opts["tp"])
+                tensor_parallel_size=opts["tp"], kv_dtype=opts["kv_dtype"],
+                kv_eviction=opts["kv_eviction"])
 
 
 def is_cluster(opts: dict[str, Any]) -> bool:
@@ -258,11 +286,10 @@ def cluster_spec(opts: dict[str, Any]):
                                  tls_ca=opts["redis_tls_ca"])  # ValueError naming the field
         redis = {"url": settings.url, "prefix": settings.prefix, "password": settings.password,
                  "tls_ca": settings.tls_ca}
-    if opts["nvme_kv_dir"] is not None and opts["workers"] > 1:
-        raise ValueError("nvme_kv_dir: each worker needs a directory of its own; not supported with --workers yet")
     return ClusterSpec(opts["workers"], _llm_kwargs(opts), num_routers=opts["routers"],
                        routing_policy=opts["routing_policy"], redis=redis, address=opts["address"],
-                       max_waiting=opts["max_waiting"], max_tokens_limit=opts["max_tokens_limit"])
+                       max_waiting=opts["max_waiting"], max_tokens_limit=opts["max_tokens_limit"],
+                       worker_gpus=opts["worker_gpus"])
 
 
 def run_serve(args: argparse.Namespace) -> int:

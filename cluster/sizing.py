@@ -14,30 +14,30 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.worker.config import ModelConfig
+from kvstrata.worker.kv_dtypes import int4_row_extra_bytes
 
 GIB = 1 << 30
 
 
 @dataclass(frozen=True)
 class KVDtype:
-    """How one head's K (or V) vector of `head_dim` values is stored for one token.
+    """How one head's K (or V) vector of `head_dim` values is stored for one token, as the engine does.
 
-    Quantized formats carry a float16 scale per group of values; `group_size=None` means one scale
-    for the whole head vector (per token, per layer, per head, for each of K and V).
+    int8 and fp8 rows end with one float16 scale per token per head (`scale_bytes`); int4 rows carry
+    their share of the block's per-channel key scales and the token's per-group value scales.
     """
 
     name: str
     bits: int
     scale_bytes: int = 0
-    group_size: int | None = None
+    block_scales: bool = False
 
-    def bytes_per_head_vector(self, head_dim: int) -> int:
+    def bytes_per_head_vector(self, head_dim: int, block_size: int = 16) -> int:
         # Packed values round up to whole bytes: an odd head_dim in int4 still costs a full byte.
         data = math.ceil(head_dim * self.bits / 8)
-        if self.scale_bytes == 0:
-            return data
-        num_groups = 1 if self.group_size is None else math.ceil(head_dim / self.group_size)
-        return data + num_groups * self.scale_bytes
+        if self.block_scales:
+            return data + int4_row_extra_bytes(head_dim, block_size)
+        return data + self.scale_bytes
 
 
 # A registry rather than if/elif chains over names; "auto" is resolved to the model dtype.
@@ -47,10 +47,10 @@ KV_DTYPES: dict[str, KVDtype] = {
         KVDtype("fp32", 32),
         KVDtype("fp16", 16),
         KVDtype("bf16", 16),
-        KVDtype("fp8_e4m3", 8),
-        KVDtype("fp8_e5m2", 8),
+        KVDtype("fp8_e4m3", 8, scale_bytes=2),
+        KVDtype("fp8_e5m2", 8, scale_bytes=2),
         KVDtype("int8", 8, scale_bytes=2),
-        KVDtype("int4", 4, scale_bytes=2, group_size=32),
+        KVDtype("int4", 4, block_scales=True),
     )
 }
 WEIGHT_BYTES_PER_PARAM: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -210,7 +210,7 @@ def plan_capacity(config: ModelConfig, params: SizingParams) -> CapacityPlan:
 
     heads_per_rank = kv_heads_per_rank(config, tp)
     replication = heads_per_rank * tp / config.num_kv_heads
-    head_vector = kv_dtype.bytes_per_head_vector(config.head_dim)
+    head_vector = kv_dtype.bytes_per_head_vector(config.head_dim, params.block_size)
     # 2 = K and V.
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * head_vector
     kv_per_token_rank = 2 * config.num_layers * heads_per_rank * head_vector

@@ -55,7 +55,8 @@ class RankWorker:
         return os.getpid()
 
     def setup(self, backend: str, init_method: str, timeout_s: float, model: str, dtype: str, device: str,
-              num_blocks: int, block_size: int, num_threads: int, num_host_blocks: int = 0) -> dict[str, Any]:
+              num_blocks: int, block_size: int, num_threads: int, num_host_blocks: int = 0,
+              kv_dtype: str = "auto") -> dict[str, Any]:
         from kvstrata.worker.loader import load_model
         from kvstrata.worker.model_runner import ModelRunner
 
@@ -66,7 +67,7 @@ class RankWorker:
 
         shard = plan_shard(load_config(model), self.size, self.rank)
         loaded = load_model(model, dtype=dtype, device=device, shard=shard, all_reduce=self.comm.all_reduce)
-        self.runner = ModelRunner(loaded.model, num_blocks, block_size)
+        self.runner = ModelRunner(loaded.model, num_blocks, block_size, kv_dtype)
         kv = self.runner.kv_cache
         if num_host_blocks:  # rank 0's DRAM tier decides; this rank keeps its share of the same slots
             from kvstrata.tiering.manager import block_shape
@@ -102,6 +103,12 @@ class GroupSpec:
     worker_id: str = ""
     timeout_s: float = DEFAULT_TIMEOUT_S
     num_host_blocks: int = 0  # each rank's DRAM tier, in blocks (its share of each)
+    kv_dtype: str = "auto"
+
+
+def rank_bundles(tp: int, gpu: bool) -> list[dict[str, float]]:
+    """One bundle per rank, rank r in bundle r: a CPU, and a GPU on GPU nodes."""
+    return [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(tp)]
 
 
 class WorkerGroup:
@@ -115,21 +122,30 @@ class WorkerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
-            ray.init(include_dashboard=False)
+            from kvstrata.cluster.cluster_actors import NAMESPACE
+
+            ray.init(include_dashboard=False, namespace=NAMESPACE)
         self.spec = spec
         self.worker_id = spec.worker_id or uuid.uuid4().hex[:8]
         self.failed: WorkerGroupError | None = None
         self._closed = False
         gpu = spec.device_type == "cuda"
-        bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
-        self.placement_group = placement_group([dict(bundle) for _ in range(spec.tp)], strategy="STRICT_PACK")
-        try:
-            ray.get(self.placement_group.ready(), timeout=spec.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            ray.util.remove_placement_group(self.placement_group)
-            need = f"{spec.tp} {'GPUs' if gpu else 'CPUs'} on one node"
-            raise WorkerGroupError(f"tensor_parallel_size {spec.tp}: Ray could not place the group "
-                                   f"({need}) within {spec.timeout_s:.0f} s") from None
+        # A cluster worker actor (rank 0) already runs in bundle 0 of its group's placement group
+        # (cluster_service.worker_placement), so the ranks join it there, on the same node. A bare
+        # process makes its own, and bundle 0 keeps rank 0's device reserved in Ray's accounting.
+        current = ray.util.get_current_placement_group()
+        self._own_placement_group = current is None or len(current.bundle_specs) != spec.tp
+        if not self._own_placement_group:
+            self.placement_group = current
+        else:
+            self.placement_group = placement_group(rank_bundles(spec.tp, gpu), strategy="STRICT_PACK")
+            try:
+                ray.get(self.placement_group.ready(), timeout=spec.timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                ray.util.remove_placement_group(self.placement_group)
+                need = f"{spec.tp} {'GPUs' if gpu else 'CPUs'} on one node"
+                raise WorkerGroupError(f"tensor_parallel_size {spec.tp}: Ray could not place the group "
+                                       f"({need}) within {spec.timeout_s:.0f} s") from None
         actor_cls = ray.remote(RankWorker)
         self.actors = []
         self.names = []
@@ -146,7 +162,7 @@ class WorkerGroup:
         num_threads = max(1, (os.cpu_count() or 1) // spec.tp)
         self._setups = [a.setup.remote(self.backend, self.init_method, spec.timeout_s, spec.model, spec.dtype,
                                        spec.device_type, spec.num_blocks, spec.block_size, num_threads,
-                                       spec.num_host_blocks)
+                                       spec.num_host_blocks, spec.kv_dtype)
                         for a in self.actors]
         try:
             TPComm.init(self.backend, self.init_method, 0, spec.tp, spec.timeout_s)
@@ -254,7 +270,8 @@ class WorkerGroup:
             dist.destroy_process_group()
         for actor in self.actors:
             ray.kill(actor)
-        ray.util.remove_placement_group(self.placement_group)
+        if self._own_placement_group:
+            ray.util.remove_placement_group(self.placement_group)
 
     def stats(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "backend": self.backend, "ranks": self.ranks,

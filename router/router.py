@@ -27,7 +27,8 @@ class IndexSource(Protocol):
 
 
 class Router:
-    def __init__(self, workers: list[str], index: IndexSource, policy: Policy, model_id: str, block_size: int = 16):
+    def __init__(self, workers: list[str], index: IndexSource, policy: Policy, model_id: str, block_size: int = 16,
+                 kv_dtype: str = "auto"):
         if not workers:
             raise ValueError("a router needs at least one worker")
         self.workers = list(workers)
@@ -35,6 +36,7 @@ class Router:
         self.policy = policy
         self.model_id = model_id
         self.block_size = block_size
+        self.kv_dtype = kv_dtype  # the workers' KV format: part of every block hash
         self._roots: dict[str, bytes] = {}
         self._lock = threading.Lock()
         self._loads = {w: WorkerLoad(w, 0, 0, 0) for w in workers}
@@ -45,7 +47,8 @@ class Router:
         """The request's cacheable full blocks, hashed as its worker will (the last token is always computed)."""
         root = self._roots.get(cache_salt)
         if root is None:
-            root = self._roots[cache_salt] = HashContext(model_id=self.model_id, cache_salt=cache_salt).root()
+            root = self._roots[cache_salt] = HashContext(model_id=self.model_id, cache_salt=cache_salt,
+                                                                kv_dtype=self.kv_dtype).root()
         n = (len(prompt_token_ids) - 1) // self.block_size
         return hash_blocks(root, prompt_token_ids[:n * self.block_size], self.block_size)
 

@@ -207,3 +207,27 @@ def test_a_worker_that_dies_is_restarted_with_a_new_incarnation(ray_local, tiny_
         assert victim in set().union(*served_after.values())
     finally:
         server.stop()
+
+
+def test_a_tp2_worker_and_its_rank_share_one_placement_group_that_shutdown_removes(ray_local, tiny_model):
+    """Rank 0 (the worker actor) sits in bundle 0 of its group's placement group and rank 1 in bundle
+    1, so a group takes exactly tp CPUs (or GPUs) on one node; shutdown gives them back."""
+    from kvstrata.cluster.cluster_service import ClusterSpec, start_cluster
+    from tests.servers import LiveServer
+
+    def free_cpus() -> float:
+        return ray_local.available_resources().get("CPU", 0.0)
+
+    before = free_cpus()
+    spec = ClusterSpec(1, {"model": tiny_model, "num_gpu_blocks": 64, "dtype": "float32",
+                           "tensor_parallel_size": 2})
+    server = LiveServer(None, model_names=(tiny_model,), service=start_cluster(spec))
+    try:
+        (group,) = server.service.placement_groups
+        assert len(group.bundle_specs) == 2
+        worker, _ = _ask(server, tiny_model, [101, 102, 103, 104])
+        assert worker == "kvstrata-worker-0"
+        assert before - free_cpus() == 2  # not 3: rank 0 runs inside the group, not beside it
+    finally:
+        server.stop()
+    assert ray_local.util.placement_group_table(group)["state"] == "REMOVED"

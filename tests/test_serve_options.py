@@ -105,12 +105,26 @@ def test_cluster_flags_choose_the_cluster_path_and_build_its_spec():
     spec = cluster_spec(opts)
     assert (spec.num_workers, spec.num_routers, spec.routing_policy) == (3, 2, "least_loaded")
     assert spec.redis == {"url": "redis://127.0.0.1:6390/0", "prefix": "kvstrata", "password": "pw", "tls_ca": None}
+    assert spec.worker_gpus == 0
+
+
+def test_each_cluster_worker_gets_an_nvme_directory_of_its_own_and_its_gpus():
+    from kvstrata.cluster.cluster_actors import worker_kwargs
+    from kvstrata.cluster.serve_cmd import cluster_spec
+
+    spec = cluster_spec(_opts(["--workers", "2", "--cpu-kv-bytes", "1GiB", "--nvme-kv-dir", "/var/kv",
+                               "--nvme-kv-bytes", "1GiB", "--worker-gpus", "1"]))
+    assert spec.worker_gpus == 1.0
+    dirs = {worker_kwargs(spec.llm_kwargs, f"kvstrata-worker-{i}")["nvme_kv_dir"] for i in range(2)}
+    assert dirs == {"/var/kv/kvstrata-worker-0", "/var/kv/kvstrata-worker-1"}
+    assert spec.llm_kwargs["nvme_kv_dir"] == "/var/kv"  # the shared spec is not changed
+    with pytest.raises(SystemExit):
+        _opts(["--worker-gpus", "-1"])
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--redis", "http://127.0.0.1:6379"], "redis url"),
     (["--redis", "redis://x", "--redis-prefix", "a b"], "redis prefix"),
-    (["--workers", "2", "--cpu-kv-bytes", "1GiB", "--nvme-kv-dir", "/tmp/x", "--nvme-kv-bytes", "1GiB"], "nvme_kv_dir"),
 ])
 def test_bad_cluster_options_name_the_option(argv, needle):
     from kvstrata.cluster.serve_cmd import cluster_spec

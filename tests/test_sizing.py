@@ -61,10 +61,11 @@ def plan(config: ModelConfig, **params):
         ("fp32", 16 * 8 * 4),
         ("fp16", 16 * 8 * 2),
         ("bf16", 16 * 8 * 2),
-        ("fp8_e4m3", 16 * 8),
-        ("fp8_e5m2", 16 * 8),
-        ("int8", 16 * (8 + 2)),  # + one fp16 scale per head vector
-        ("int4", 16 * (4 + 2)),  # 8 values in 4 bytes + one fp16 scale (a single group of <= 32)
+        ("fp8_e4m3", 16 * (8 + 2)),  # + one fp16 scale per head vector
+        ("fp8_e5m2", 16 * (8 + 2)),
+        ("int8", 16 * (8 + 2)),
+        # 8 values in 4 bytes + 2: the block's 8 key steps and 8 minimums (fp16) over 16 rows
+        ("int4", 16 * (4 + 2)),
     ],
 )
 def test_kv_bytes_per_token_each_dtype(kv_dtype, expected):
@@ -74,16 +75,30 @@ def test_kv_bytes_per_token_each_dtype(kv_dtype, expected):
     assert p.kv_bytes_per_sequence == expected * 256  # max_seq_len defaults to the context length
 
 
-@pytest.mark.parametrize("kv_dtype, dtype_bytes", [("fp32", 4), ("fp16", 2), ("fp8_e4m3", 1)])
+@pytest.mark.parametrize("kv_dtype, dtype_bytes", [("fp32", 4), ("fp16", 2)])
 def test_unscaled_dtypes_agree_with_model_config(kv_dtype, dtype_bytes):
     config = tiny(layers=3, kv_heads=2, head_dim=16)
     assert plan(config, kv_dtype=kv_dtype).kv_bytes_per_token == config.kv_bytes_per_token(dtype_bytes)
 
 
-def test_int4_scales_are_per_group_of_32_within_a_head():
-    # head_dim 64 = 2 groups: 32 bytes of nibbles + 2 scales; head_dim 40 = 20 bytes + 2 scales.
-    assert plan(tiny(head_dim=64), kv_dtype="int4").kv_bytes_per_token == 16 * (32 + 4)
-    assert plan(tiny(head_dim=40), kv_dtype="int4").kv_bytes_per_token == 16 * (20 + 4)
+def test_int4_bytes_include_block_key_scales_and_token_value_scales():
+    # head_dim 64, blocks of 16: 32 bytes of nibbles + 16 of scales (the block's 64 key steps and
+    # minimums in fp16 = 256 bytes over 16 rows; four fp16 value scales fit in the same room)
+    assert plan(tiny(head_dim=64), kv_dtype="int4").kv_bytes_per_token == 16 * (32 + 16)
+    assert plan(tiny(head_dim=64), kv_dtype="int4", block_size=64).kv_bytes_per_token == 16 * (32 + 8)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (40, 16), (128, 32), (64, 8)])
+def test_sizing_agrees_with_the_engine_layout(kv_dtype, head_dim, block_size):
+    import torch
+
+    from kvstrata.worker.kv_format import make_kv_format
+
+    fmt = make_kv_format(kv_dtype, head_dim, block_size, torch.float32)
+    config = tiny(head_dim=head_dim)
+    per_token = 2 * config.num_layers * config.num_kv_heads * fmt.bytes_per_token_head()
+    assert plan(config, kv_dtype=kv_dtype, block_size=block_size).kv_bytes_per_token == per_token
 
 
 def test_query_heads_do_not_change_kv_bytes():

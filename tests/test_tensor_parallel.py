@@ -337,3 +337,25 @@ def test_a_server_at_tp2_fails_in_flight_requests_and_recovers_when_a_rank_dies(
     finally:
         server.stop()
         two.close()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_kv_at_tp2_matches_tp1_with_half_the_bytes(ray_local, gqa4, kv_dtype):
+    """Scales are per head (int8: per token per head; int4: per block, head and channel), so a rank's
+    share of a quantized block is self-contained and a tp=2 group matches tp=1."""
+    from kvstrata import LLM
+
+    path, _ = gqa4
+    prompts = random_prompts(2)
+    one = LLM(str(path), num_gpu_blocks=64, dtype="float32", kv_dtype=kv_dtype)
+    reference = one.generate(prompts, GREEDY)
+    two = LLM(str(path), num_gpu_blocks=64, dtype="float32", tensor_parallel_size=2, kv_dtype=kv_dtype)
+    try:
+        outs = two.generate(prompts, GREEDY)
+        for ref, out in zip(reference, outs):
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert _kv_bytes(two) * 2 == _kv_bytes(one)
+        assert two.group.stats()["ranks"][0]["kv_cache_bytes"] * 2 == _kv_bytes(one)
+        two.check_integrity()
+    finally:
+        two.close()

@@ -13,11 +13,13 @@ context (cached prefix + earlier chunks + itself), gathered from its own blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from kvstrata.worker.cpu_kernels import CpuKernels
+from kvstrata.worker.kv_format import KVFormat
 
 
 @dataclass(slots=True)
@@ -37,11 +39,19 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool, True = attend (torch path)
     prefills: list[PrefillChunk]
     cpu_kernels: CpuKernels | None = None  # set: decodes read K/V in place through the C kernel
+    kv_format: KVFormat | None = None  # how the pool stores K/V; None: plain floats in the model's dtype
+    # called after each layer's attention as observer(layer, q [T, H, D], k_cache, meta): token
+    # eviction policies that need attention scores (H2O, SnapKV) read them here
+    attention_observer: Callable[[int, torch.Tensor, torch.Tensor, "AttentionMetadata"], None] | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k_cache, v_cache: [num_blocks, block_size, Hkv, D]; k, v: [T, Hkv, D]."""
+             slot_mapping: torch.Tensor, kv_format: KVFormat | None = None) -> None:
+    """k_cache, v_cache: [num_blocks, block_size, Hkv, W]; k, v: [T, Hkv, D] (W = D for plain floats)."""
+    if kv_format is not None and not kv_format.is_plain:
+        kv_format.write(k_cache, k, slot_mapping, key=True)
+        kv_format.write(v_cache, v, slot_mapping, key=False)
+        return
     num_blocks, block_size = k_cache.shape[:2]
     k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
@@ -61,8 +71,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for p in meta.prefills:
         ctx = p.context_len
         # k, v: [ctx, Hkv, D] gathered from this request's blocks
-        k = _gather_blocks(k_cache, p.block_ids)[:ctx]
-        v = _gather_blocks(v_cache, p.block_ids)[:ctx]
+        k = read_blocks(k_cache, p.block_ids, meta.kv_format)[:ctx]
+        v = read_blocks(v_cache, p.block_ids, meta.kv_format, key=False)[:ctx]
         qc = q[p.token_start : p.token_start + p.num_tokens]
         out[p.token_start : p.token_start + p.num_tokens] = _causal_attention(
             qc, k, v, ctx - p.num_tokens, num_kv_heads, scale
@@ -73,9 +83,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
             scale: float) -> torch.Tensor:
     if meta.cpu_kernels is not None:
+        fmt = meta.kv_format
+        table = fmt.code_table if fmt is not None and not fmt.is_plain else None
         return meta.cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                             scale)
-    return _decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
+                                             scale, table)
+    return _decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale, meta.kv_format)
+
+
+def read_blocks(cache: torch.Tensor, block_ids: torch.Tensor, kv_format: KVFormat | None = None,
+                key: bool = True) -> torch.Tensor:
+    """K (or V, key=False) of whole blocks as floats: cache [num_blocks, bs, Hkv, W], block_ids [n]
+    -> [n * bs, Hkv, D], dequantized when the pool is quantized."""
+    if kv_format is not None and not kv_format.is_plain:
+        return kv_format.read(cache, block_ids, key)
+    return _gather_blocks(cache, block_ids)
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -84,14 +105,15 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
     return cache.index_select(0, block_ids).flatten(0, 1)
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      mask: torch.Tensor, scale: float, kv_format: KVFormat | None = None) -> torch.Tensor:
     # q: [B, H, D]; grouped so each KV head's queries form the "length" axis, so K/V are not repeated
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    k = _gather_blocks(k_cache, block_tables.flatten()).view(bsz, -1, num_kv_heads, head_dim).transpose(1, 2)
-    v = _gather_blocks(v_cache, block_tables.flatten()).view(bsz, -1, num_kv_heads, head_dim).transpose(1, 2)
+    ids = block_tables.flatten()
+    k = read_blocks(k_cache, ids, kv_format).view(bsz, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = read_blocks(v_cache, ids, kv_format, key=False).view(bsz, -1, num_kv_heads, head_dim).transpose(1, 2)
     # k, v: [B, Hkv, max_ctx, D]
     qg = q.view(bsz, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, G, D]

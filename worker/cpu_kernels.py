@@ -43,6 +43,8 @@ class CpuKernels:
         for fn in (lib.kvs_paged_decode_f32, lib.kvs_paged_decode_bf16):
             fn.argtypes = args
             fn.restype = None
+        lib.kvs_paged_decode_codes.argtypes = args + [ctypes.c_void_p]
+        lib.kvs_paged_decode_codes.restype = None
         for fn in (lib.kvs_gemm_f32, lib.kvs_gemm_bf16):
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
             fn.restype = None
@@ -58,8 +60,11 @@ class CpuKernels:
         return dtype in (torch.float32, torch.bfloat16) and num_heads % num_kv_heads == 0
 
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """q: [B, H, D]; caches: [num_blocks, bs, Hkv, D]; block_tables: [B, W] int64; seq_lens: [B] int64."""
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     code_table: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [B, H, D]; caches: [num_blocks, bs, Hkv, D] (fp32 or bf16), or byte-code rows [.., D + 2]
+        (uint8: D codes and an fp16 scale) decoded through code_table [256] float32;
+        block_tables: [B, W] int64; seq_lens: [B] int64."""
         batch, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -73,9 +78,19 @@ class CpuKernels:
         tables = _dense_int64(block_tables)
         lens = _dense_int64(seq_lens)
         out = torch.empty((batch, num_heads, head_dim), dtype=torch.float32)
-        fn = self._lib.kvs_paged_decode_bf16 if k_cache.dtype == torch.bfloat16 else self._lib.kvs_paged_decode_f32
-        fn(qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-           out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], scale)
+        common = (qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                  lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
+                  tables.shape[1], scale)
+        if k_cache.dtype == torch.uint8:
+            if code_table is None or code_table.dtype != torch.float32 or code_table.numel() != 256:
+                raise ValueError("byte-code K/V rows need a 256-entry float32 code table")
+            if k_cache.shape[-1] != head_dim + 2:
+                raise ValueError(f"byte-code rows hold head_dim + 2 bytes, got {k_cache.shape[-1]}")
+            self._lib.kvs_paged_decode_codes(*common, code_table.contiguous().data_ptr())
+        elif k_cache.dtype == torch.bfloat16:
+            self._lib.kvs_paged_decode_bf16(*common)
+        else:
+            self._lib.kvs_paged_decode_f32(*common)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     def pack(self, weight: torch.Tensor) -> PackedWeight:

@@ -16,10 +16,12 @@ from kvstrata.worker.block_hash import HashContext, hash_blocks
 from kvstrata.worker.kv_cache_manager import KVCacheManager
 from kvstrata.worker.model_runner import ModelRunner
 from kvstrata.worker.outputs import CompletionOutput, RequestOutput
-from kvstrata.worker.request import FinishReason, Request, RequestStatus
+from kvstrata.worker.request import FinishReason, Request, RequestStatus, Teacher
 from kvstrata.worker.sampler import Sampler
 from kvstrata.worker.sampling_params import SamplingParams
 from kvstrata.worker.scheduler import Scheduler, SchedulerConfig
+from kvstrata.worker.token_eviction import EvictionPolicy, EvictionState
+from kvstrata.worker.token_evictor import TokenEvictor
 from kvstrata.worker.tokenizer import Detokenizer, Tokenizer
 
 
@@ -41,7 +43,9 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, kv: KVCacheManager,
-                 scheduler_config: SchedulerConfig, model_id: str, seed: int = 0):
+                 scheduler_config: SchedulerConfig, model_id: str, seed: int = 0, kv_dtype: str = "auto",
+                 kv_eviction: EvictionPolicy | None = None):
+        """kv_eviction: the token eviction policy of requests that name none (lossy; None: keep all)."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.kv = kv
@@ -49,7 +53,11 @@ class LLMEngine:
         self.scheduler_config = scheduler_config
         self.scheduler = Scheduler(scheduler_config, kv)
         self.sampler = Sampler(seed)
+        self.kv_eviction = kv_eviction
+        self.evictor = TokenEvictor(kv, runner)
         self.model_id = model_id
+        self._num_teachers = 0  # unfinished teacher-forced requests: 0 keeps the step loop's fast path
+        self.kv_dtype = kv_dtype  # part of every block's identity: blocks of different formats never mix
         self.eos_token_ids = set(self.config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -73,6 +81,9 @@ class LLMEngine:
                 f"{field_name} has {len(prompt_token_ids)} tokens; max_model_len is {max_len} "
                 f"(prompt plus at least one generated token must fit)"
             )
+        policy = self.eviction_policy(params)
+        if policy is not None and self.runner.comm is not None:
+            raise ValueError("kv_eviction: token eviction does not work with tensor_parallel_size > 1 yet")
         needed = self._blocks_needed(len(prompt_token_ids), params)
         if needed > self.kv.pool.num_blocks:
             raise ValueError(
@@ -85,17 +96,27 @@ class LLMEngine:
         # shared full prompt blocks, plus each sample's own tail up to its final length
         bs = self.kv.block_size
         total = min(num_prompt + params.max_tokens, self.scheduler_config.max_model_len)
+        policy = self.eviction_policy(params)
+        if policy is not None:  # each sample's cache stays within the policy's peak
+            return params.n * self.kv.blocks_for(min(total, policy.peak_tokens(num_prompt, bs)))
         shared = num_prompt // bs
         return shared + params.n * self.kv.blocks_for(total - shared * bs)
 
+    def eviction_policy(self, params: SamplingParams) -> EvictionPolicy | None:
+        """The request's own token eviction policy, else the engine's."""
+        return params.kv_eviction if params.kv_eviction is not None else self.kv_eviction
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, cache_salt: str = "",
-                    cache_pins: list[tuple[int, float]] | None = None, tenant: str = "") -> None:
+                    cache_pins: list[tuple[int, float]] | None = None, tenant: str = "",
+                    teacher_ids: list[int] | None = None) -> None:
         """cache_pins: (prompt tokens, TTL seconds) breakpoints; each pins the prompt's full blocks up
-        to it in the KV tiers, charged to `tenant`'s quota."""
+        to it in the KV tiers, charged to `tenant`'s quota. teacher_ids: force these output tokens
+        (params.max_tokens of them, n = 1) and record each one's log-probability (perplexity)."""
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
+        policy = self.eviction_policy(params)
         root = self._hash_root(cache_salt)
         pinned_tokens, prompt_hashes = self._pin(prompt_token_ids, root, cache_pins, tenant) if cache_pins else (0, [])
         arrival = next(self._arrival)
@@ -112,6 +133,13 @@ class LLMEngine:
                 s.detokenizer = Detokenizer(self.tokenizer)
             if params.logprobs is not None:
                 s.logprobs = []
+            if policy is not None:
+                s.eviction = EvictionState(policy)
+        if teacher_ids is not None:
+            if params.n != 1 or len(teacher_ids) != params.max_tokens:
+                raise ValueError("teacher_ids needs n = 1 and exactly max_tokens tokens")
+            samples[0].teacher = Teacher(list(teacher_ids))
+            self._num_teachers += 1
         samples[0].num_pinned_tokens = pinned_tokens
         samples[0].block_hashes = prompt_hashes  # hashed once for the pins; extended as the request grows
         for child in samples[1:]:
@@ -143,7 +171,7 @@ class LLMEngine:
     def _hash_root(self, cache_salt: str) -> bytes:
         root = self._hash_roots.get(cache_salt)
         if root is None:
-            root = HashContext(model_id=self.model_id, cache_salt=cache_salt).root()
+            root = HashContext(model_id=self.model_id, cache_salt=cache_salt, kv_dtype=self.kv_dtype).root()
             self._hash_roots[cache_salt] = root
         return root
 
@@ -152,6 +180,8 @@ class LLMEngine:
         if group is None:
             return False
         for s in group.samples:
+            if s.teacher is not None and len(s.teacher.logprobs) < len(s.teacher.token_ids):
+                self._num_teachers -= 1
             if s.status is RequestStatus.FORK_PENDING:
                 s.status = RequestStatus.FINISHED
                 s.finish_reason = FinishReason.ABORT
@@ -178,11 +208,15 @@ class LLMEngine:
                 for child in req.forks:  # n > 1: all samples draw from the prompt's last logits
                     rows.append(i)
                     to_sample.append(child)
+        self.runner.attention_observer = self.evictor.observer(batch)  # H2O and SnapKV scores, if any
         logits = self.runner.execute(batch, rows)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
+        self.evictor.after_step(batch)  # before forks, so that samples share the evicted cache
         self.stats.num_steps += 1
         result = self.sampler.sample(logits, to_sample) if to_sample else None
+        if self._num_teachers:
+            self._force(logits, to_sample, result.token_ids)
         finished: list[RequestOutput] = []
         for req in batch.requests:
             if req.forks:
@@ -200,6 +234,18 @@ class LLMEngine:
                 if group.num_finished == len(group.samples):
                     finished.append(self._finish_group(group))
         return finished
+
+    def _force(self, logits: torch.Tensor, to_sample: list[Request], token_ids: list[int]) -> None:
+        """Replace teacher-forced rows' samples with the teacher's tokens, recording their log-probs."""
+        for j, req in enumerate(to_sample):
+            t = req.teacher
+            if t is None:
+                continue
+            token = t.token_ids[req.num_output_tokens]
+            t.logprobs.append(float(torch.log_softmax(logits[j], dim=-1)[token]))
+            token_ids[j] = token
+            if len(t.logprobs) == len(t.token_ids):
+                self._num_teachers -= 1
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> None:
         req.token_ids.append(token)
@@ -271,7 +317,7 @@ class LLMEngine:
         filled: dict[int, int] = {}
         for r in self.live_requests():
             for idx, b in enumerate(r.block_table):
-                n = min(bs, max(0, r.num_computed_tokens - idx * bs))
+                n = min(bs, max(0, r.num_kv_tokens - idx * bs))
                 filled[b.block_id] = max(filled.get(b.block_id, 0), n)
         used = pool.num_used_blocks
         queried = self.kv.num_prompt_tokens_queried

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstrata.worker.block_pool import BlockPool
+from kvstrata.worker.kv_compaction import CompactionPlan
 from kvstrata.worker.prefix_cache import KVBlock
 from kvstrata.worker.request import Request, RequestStatus
 
@@ -111,7 +112,7 @@ class KVCacheManager:
         All or nothing: on False, nothing changed. `watermark` keeps a small reserve free so that
         newly admitted requests do not immediately force running ones out.
         """
-        start = request.num_computed_tokens + computed.num_tokens
+        start = request.num_kv_tokens + computed.num_tokens
         num_promoted = len(computed.tier_hashes)
         num_held = len(request.block_table) + len(computed.blocks) + num_promoted
         num_new_blocks = max(0, self.blocks_for(start + num_new_tokens) - num_held)
@@ -168,10 +169,10 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request: Request, computed: bool = True) -> None:
         """Offer the request's newly computed full blocks (or, with computed False, swapped-in
-        ones) to the prefix cache."""
+        ones) to the prefix cache. Under an eviction policy only the blocks it never touches."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = min(request.num_computed_tokens // self.block_size, self.num_cacheable_blocks(request))
         if num_full <= request.num_registered_blocks:
             return
         request.update_block_hashes(self.block_size)
@@ -193,6 +194,34 @@ class KVCacheManager:
             self.tiers.note_computed(request.block_hashes[first:num_full])
         request.num_registered_blocks = num_full
 
+    def num_cacheable_blocks(self, request: Request) -> int:
+        """Leading blocks of the request that may be in the prefix cache. Eviction rewrites a block so
+        that it no longer holds the tokens its hash names, so a request under a policy offers only
+        the blocks of positions the policy never evicts (StreamingLLM's sinks), and no others."""
+        if request.eviction is None:
+            return 1 << 62
+        return request.eviction.policy.num_stable_tokens // self.block_size
+
+    def num_shared_tokens(self, request: Request) -> int:
+        """Cache entries in the request's leading shared blocks (held by others too, or cached)."""
+        n = 0
+        for block in request.block_table:
+            if block.ref_count == 1 and not block.is_cached:
+                break
+            n += 1
+        return min(n * self.block_size, request.num_kv_tokens)
+
+    def compact(self, request: Request, plan: CompactionPlan) -> None:
+        """After the model runner moved plan's token slots: keep the retained blocks, in their new
+        order, and free the others. Only the request's own, uncached blocks are ever dropped."""
+        table = request.block_table
+        assert plan.retained[: request.num_registered_blocks] == list(range(request.num_registered_blocks))
+        dropped = [table[i] for i in plan.dropped]
+        assert all(b.ref_count == 1 and not b.is_cached for b in dropped), "compaction drops a shared block"
+        request.block_table = [table[i] for i in plan.retained]
+        self.pool.free(dropped[::-1])
+        request.num_evicted_tokens = request.num_computed_tokens - plan.new_order.numel()
+
     def fork(self, parent: Request, child: Request) -> None:
         """Child shares every block of parent; the partial tail is copied on first write."""
         assert not child.block_table
@@ -201,6 +230,9 @@ class KVCacheManager:
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
         child.num_registered_blocks = parent.num_registered_blocks
+        child.num_evicted_tokens = parent.num_evicted_tokens
+        if parent.eviction is not None:
+            child.eviction = parent.eviction.copy()
 
     def free(self, request: Request) -> None:
         """Release all of a request's blocks at once (finish, abort or preemption)."""
@@ -215,7 +247,7 @@ class KVCacheManager:
     def swap_out(self, request: Request) -> bool:
         """Before a preemption frees them: copy the request's computed blocks to DRAM. False when
         there is no DRAM tier, nothing to keep, or no room (the request is then recomputed)."""
-        num_blocks = self.blocks_for(request.num_computed_tokens)
+        num_blocks = self.blocks_for(request.num_kv_tokens)
         if self.tiers is None or num_blocks == 0:
             return False
         keys = [b"%s%s:%d" % (SWAP_PREFIX, request.request_id.encode(), i) for i in range(num_blocks)]
@@ -233,8 +265,9 @@ class KVCacheManager:
             self.tiers.discard(keys)
             self.tiers.counters.swap_fallbacks += 1
             request.swapped = None
+            request.reset_eviction()
             return None
-        num_new_blocks = max(0, self.blocks_for(num_tokens + num_new_tokens) - len(keys))
+        num_new_blocks = max(0, self.blocks_for(num_tokens - request.num_evicted_tokens + num_new_tokens) - len(keys))
         reserve = self.watermark_blocks if watermark else 0
         if self.pool.num_free_blocks - len(keys) - num_new_blocks < reserve:
             return False

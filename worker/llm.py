@@ -11,11 +11,13 @@ import torch
 
 from kvstrata.worker.engine import LLMEngine
 from kvstrata.worker.kv_cache_manager import KVCacheManager
+from kvstrata.worker.kv_dtypes import KV_DTYPE_NAMES
 from kvstrata.worker.loader import load_model
 from kvstrata.worker.model_runner import ModelRunner
 from kvstrata.worker.outputs import RequestOutput
 from kvstrata.worker.sampling_params import SamplingParams
 from kvstrata.worker.scheduler import SchedulerConfig
+from kvstrata.worker.token_eviction import EvictionPolicy, resolve_eviction
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of host memory for KV when no block count is given
 DEFAULT_GPU_KV_FRACTION = 0.85  # of the device memory still free after loading the weights
@@ -28,7 +30,8 @@ class LLM:
                  max_num_seqs: int = 128, kv_cache_bytes: int | None = None, cpu_kv_bytes: int | None = None,
                  nvme_kv_dir: str | None = None, nvme_kv_bytes: int | None = None,
                  pin_quota_bytes: int | None = None, nvme_admission: str = "reuse",
-                 tensor_parallel_size: int = 1, worker_id: str = ""):
+                 tensor_parallel_size: int = 1, worker_id: str = "", kv_dtype: str = "auto",
+                 kv_eviction: EvictionPolicy | str | None = None):
         """cpu_kv_bytes adds a DRAM tier under the device pool, and nvme_kv_dir (with nvme_kv_bytes)
         an NVMe tier under that: blocks the pool evicts are kept there and promoted back on a hit.
         pin_quota_bytes caps one tenant's prompt-cache pins (default: all pins' limit, half the lowest tier).
@@ -36,7 +39,11 @@ class LLM:
         tensor_parallel_size > 1 runs the model on that many ranks: this process is rank 0 (the
         scheduler and its shard), the others are Ray actors (a local Ray starts if none is running).
         KV block counts are then per rank, each rank holding its share of the KV heads; the rank
-        actors are named kvstrata-worker-<worker_id>-rank-<r> (worker_id: random when empty)."""
+        actors are named kvstrata-worker-<worker_id>-rank-<r> (worker_id: random when empty).
+        kv_dtype stores the KV cache in another format: "fp16", "bf16", "fp8_e4m3", "fp8_e5m2",
+        "int8" or "int4" (lossy; scales are kept in each block), or "auto", the model's dtype.
+        kv_eviction: a token eviction policy (lossy) for every request that names none in its
+        SamplingParams, e.g. "streaming(sinks=4, window=252)" (see worker/token_eviction.py)."""
         _check_positive("block_size", block_size)
         if num_gpu_blocks is not None:
             _check_positive("num_gpu_blocks", num_gpu_blocks)
@@ -45,6 +52,11 @@ class LLM:
         _check_positive("max_num_batched_tokens", max_num_batched_tokens)
         _check_positive("max_num_seqs", max_num_seqs)
         _check_tier_args(cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes)
+        kv_eviction = resolve_eviction(kv_eviction, "kv_eviction")
+        if kv_eviction is not None and tensor_parallel_size != 1:
+            raise ValueError("kv_eviction: token eviction does not work with tensor_parallel_size > 1 yet")
+        if kv_dtype not in KV_DTYPE_NAMES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPE_NAMES)}; got {kv_dtype!r}")
         from kvstrata.tiering.admission import AdmissionPolicy
 
         admission = AdmissionPolicy(nvme_admission)  # ValueError naming nvme_admission
@@ -62,14 +74,15 @@ class LLM:
         limit = self.config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's maximum ({limit})")
-        block_bytes = ModelRunner.kv_bytes_per_block(loaded.model, block_size)
+        self.kv_dtype = kv_dtype  # hashed into every block's identity, as given: routers hash it the same way
+        block_bytes = ModelRunner.kv_bytes_per_block(loaded.model, block_size, kv_dtype)
         if num_gpu_blocks is None:
             num_gpu_blocks = max(1, _kv_budget(loaded.model.device, kv_cache_bytes) // block_bytes)
-        runner = ModelRunner(loaded.model, num_gpu_blocks, block_size)
+        runner = ModelRunner(loaded.model, num_gpu_blocks, block_size, kv_dtype)
         self.group = None
         if shard is not None:
             num_host_blocks = cpu_kv_bytes // block_bytes if cpu_kv_bytes is not None else 0
-            self._tp = (model, tensor_parallel_size, num_gpu_blocks, block_size, worker_id, num_host_blocks)
+            self._tp = (model, tensor_parallel_size, num_gpu_blocks, block_size, worker_id, num_host_blocks, kv_dtype)
             self.group = _start_group(runner, *self._tp)
         kv = KVCacheManager(num_gpu_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         sched = SchedulerConfig(
@@ -79,14 +92,15 @@ class LLM:
         )
         if cpu_kv_bytes is not None:
             tiers = _build_tiers(runner, block_bytes, cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes,
-                                 f"{self.model_id}/{loaded.model.dtype}/bs{block_size}", admission)
+                                 f"{self.model_id}/{loaded.model.dtype}/{kv_dtype}/bs{block_size}", admission)
             if pin_quota_bytes is not None:
                 tiers.pin_quota_blocks = min(max(1, pin_quota_bytes // block_bytes), tiers.max_pinned_blocks)
             kv.attach_tiers(tiers)
             if shard is not None:  # the other ranks repeat every pool <-> DRAM copy on their shards
                 tiers.copy_log = []
                 runner.tiers = tiers
-        self.engine = LLMEngine(runner, self.tokenizer, kv, sched, self.model_id, seed=seed)
+        self.engine = LLMEngine(runner, self.tokenizer, kv, sched, self.model_id, seed=seed, kv_dtype=kv_dtype,
+                                kv_eviction=kv_eviction)
         self._ids = itertools.count()
 
     # -- generation ------------------------------------------------------------------------
@@ -245,13 +259,14 @@ def _check_tp(model: str, tp: int, nvme_kv_dir: str | None):
 
 
 def _start_group(runner: ModelRunner, model: str, tp: int, num_blocks: int, block_size: int, worker_id: str,
-                 num_host_blocks: int):
+                 num_host_blocks: int, kv_dtype: str):
     """The other ranks, joined to this process (rank 0), with the same number of KV blocks."""
     from kvstrata.cluster.tp_group import GroupSpec, WorkerGroup
 
     m = runner.model
     group = WorkerGroup(GroupSpec(model, tp, str(m.dtype).removeprefix("torch."), m.device.type,
-                                  num_blocks, block_size, worker_id, num_host_blocks=num_host_blocks))
+                                  num_blocks, block_size, worker_id, num_host_blocks=num_host_blocks,
+                                  kv_dtype=kv_dtype))
     m.all_reduce = group.comm.all_reduce
     runner.comm, runner.group = group.comm, group
     group.wait_ready()

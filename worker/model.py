@@ -126,8 +126,10 @@ class LlamaModel:
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, c.head_dim)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kv_format)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+            if meta.attention_observer is not None:
+                meta.attention_observer(i, q, k_cache, meta)
             attn = linear(o.reshape(num_tokens, self.q_size), layer.o_proj, None)
             if self.all_reduce is not None:
                 self.all_reduce(attn)  # row-parallel: sum the ranks' partial outputs

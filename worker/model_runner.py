@@ -2,7 +2,10 @@
 
 KV cache layout, one tensor for the whole pool:
 
-    kv_cache: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, row_width]
+
+row_width is head_dim for plain floats; a quantized kv_dtype stores codes and scales in bytes
+(worker/kv_format.py).
 
 Per layer, K and V are contiguous [num_blocks, block_size, Hkv, D] views (the attention hot path),
 and one block of every layer is a single gather along dim 2 (for copy-on-write now, tier copies
@@ -18,6 +21,7 @@ import torch
 from kvstrata.worker.attention import AttentionMetadata, PrefillChunk
 from kvstrata.worker.cpu_kernels import load_cpu_kernels
 from kvstrata.worker.kv_cache_manager import BlockCopy
+from kvstrata.worker.kv_format import make_kv_format
 from kvstrata.worker.model import LlamaModel
 from kvstrata.worker.request import Request
 from kvstrata.worker.tensor_parallel import STEP, TPComm, pack_step, unpack_step
@@ -38,17 +42,20 @@ class ScheduledBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: str = "auto"):
         c = model.config
         self.model = model
         self.block_size = block_size
         self.device = model.device
+        self.kv_format = make_kv_format(kv_dtype, c.head_dim, block_size, model.dtype)
+        spec = self.kv_format.spec()
         self.kv_cache = torch.zeros(
-            (c.num_layers, 2, num_blocks, block_size, model.num_kv_heads, c.head_dim),
-            dtype=model.dtype,
+            (c.num_layers, 2, num_blocks, block_size, model.num_kv_heads, spec.row_width),
+            dtype=spec.dtype,
             device=model.device,
         )
-        kernels = load_cpu_kernels() if self.device.type == "cpu" else None
+        readable = self.kv_format.is_plain or self.kv_format.code_table is not None  # the C decode reads it in place
+        kernels = load_cpu_kernels() if self.device.type == "cpu" and readable else None
         if kernels is not None and not kernels.supports(model.dtype, model.num_heads, model.num_kv_heads):
             kernels = None
         self.cpu_kernels = kernels
@@ -58,13 +65,14 @@ class ModelRunner:
         self.group = None
         self.tiers = None  # rank 0 with a DRAM tier: its copy log goes to the other ranks with each step
         self.host_storage: torch.Tensor | None = None  # another rank's DRAM tier: its share of each block
+        self.attention_observer = None  # set by the engine before a step whose requests need attention scores
 
     @staticmethod
-    def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
-        """KV bytes of one block on this rank (its share of the KV heads)."""
+    def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: str = "auto") -> int:
+        """KV bytes of one block on this rank (its share of the KV heads), scales included."""
         c = model.config
-        itemsize = torch.empty((), dtype=model.dtype).element_size()
-        return 2 * c.num_layers * model.num_kv_heads * c.head_dim * itemsize * block_size
+        per_head = make_kv_format(kv_dtype, c.head_dim, block_size, model.dtype).bytes_per_token_head()
+        return 2 * c.num_layers * model.num_kv_heads * per_head * block_size
 
     def tp_stats(self) -> dict:
         """This rank's share of a tensor-parallel group's KV (every rank holds the same amount)."""
@@ -81,6 +89,13 @@ class ModelRunner:
         src = torch.tensor([c.src for c in copies], device=self.device)
         dst = torch.tensor([c.dst for c in copies], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of token slots src[i] -> dst[i] (slot = block_id * block_size + offset) in every
+        layer. All sources are read before any destination is written, so the sets may overlap."""
+        if src.numel() == 0:
+            return
+        self.kv_format.move_slots(self.kv_cache, src.to(self.device), dst.to(self.device))
 
     def execute(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
         """Run one step; returns float32 logits [len(sample_rows), V] for the given batch rows."""
@@ -103,7 +118,7 @@ class ModelRunner:
 
     def follow(self, fields: list[torch.Tensor]) -> None:
         """Another rank's side of rank 0's `execute`: the same copies and forward pass, no logits."""
-        step = unpack_step(fields, self.block_size, self.device, self.cpu_kernels)
+        step = unpack_step(fields, self.block_size, self.device, self.cpu_kernels, self.kv_format)
         if step.tier_ops:
             from kvstrata.tiering.manager import TO_HOST, copy_to_device, copy_to_host
 
@@ -119,27 +134,32 @@ class ModelRunner:
         bs = self.block_size
         reqs, counts = batch.requests, batch.num_new_tokens
         starts = [r.num_computed_tokens for r in reqs]
+        # cache entries before this step: fewer than the position once a policy evicted tokens, whose
+        # keys keep their original RoPE phase (see worker/token_evictor.py)
+        kv_starts = [r.num_kv_tokens for r in reqs]
         tokens: list[int] = []
         for r, s, n in zip(reqs, starts, counts):
             tokens.extend(r.token_ids[s : s + n])
         num_tokens = len(tokens)
         counts_t = torch.tensor(counts, dtype=torch.long)
         starts_t = torch.tensor(starts, dtype=torch.long)
+        kv_starts_t = torch.tensor(kv_starts, dtype=torch.long)
         ends = counts_t.cumsum(0)  # [R] exclusive end row of each request
         req_of_token = torch.repeat_interleave(torch.arange(len(reqs)), counts_t)  # [T]
         offset_in_req = torch.arange(num_tokens) - (ends - counts_t)[req_of_token]
         positions = starts_t[req_of_token] + offset_in_req  # [T]
+        entries = kv_starts_t[req_of_token] + offset_in_req  # [T] cache entry of each new token
 
         max_blocks = max(len(r.block_table) for r in reqs)
         table = torch.zeros((len(reqs), max_blocks), dtype=torch.long)
         for i, r in enumerate(reqs):
             table[i, : len(r.block_table)] = torch.tensor([b.block_id for b in r.block_table])
-        slot_mapping = table[req_of_token, positions // bs] * bs + positions % bs  # [T]
+        slot_mapping = table[req_of_token, entries // bs] * bs + entries % bs  # [T]
 
         d = batch.num_decodes
         decode_tables = decode_mask = seq_lens = None
         if d:
-            seq_lens = starts_t[:d] + 1
+            seq_lens = kv_starts_t[:d] + 1
             width = int(((seq_lens.max() + bs - 1) // bs).item())
             decode_tables = table[:d, :width].contiguous()
             if self.cpu_kernels is None:
@@ -147,7 +167,7 @@ class ModelRunner:
         prefills = []
         row = int(ends[d - 1]) if d else 0
         for i in range(d, len(reqs)):
-            ctx = starts[i] + counts[i]
+            ctx = kv_starts[i] + counts[i]
             prefills.append(PrefillChunk(row, counts[i], ctx, table[i, : -(-ctx // bs)].to(self.device)))
             row += counts[i]
 
@@ -160,6 +180,9 @@ class ModelRunner:
             decode_mask=decode_mask.to(dev) if decode_mask is not None else None,
             prefills=prefills,
             cpu_kernels=self.cpu_kernels,
+            kv_format=self.kv_format,
+            # the engine sets it for steps with H2O or SnapKV requests; a runner used alone has none
+            attention_observer=self.attention_observer,
         )
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         return input_ids, positions.to(dev), meta, ends - 1

@@ -7,7 +7,8 @@ The token-count invariant drives everything: `num_computed_tokens` catches up to
                                           ^ num_computed_tokens          ^ num_tokens
 
 A prefix hit, a prefill chunk, a decode step, a preemption (back to 0) and, later, a swap-in all
-move that one counter.
+move that one counter. Under a token eviction policy the cache holds only some of the computed
+tokens: `num_kv_tokens` entries, and `num_evicted_tokens` more were dropped.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvstrata.worker.prefix_cache import KVBlock
+    from kvstrata.worker.token_eviction import EvictionState
     from kvstrata.worker.tokenizer import Detokenizer
 
 
@@ -37,6 +39,14 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+
+
+@dataclass(slots=True)
+class Teacher:
+    """Teacher forcing: each step appends the next of `token_ids` and records its log-probability."""
+
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -66,6 +76,9 @@ class Request:
     detokenizer: Detokenizer | None = None
     logprobs: list[dict[int, float]] | None = None
     forks: list[Request] = field(default_factory=list)
+    eviction: EvictionState | None = None  # set when the request runs under a token eviction policy
+    num_evicted_tokens: int = 0  # computed tokens whose KV the policy dropped
+    teacher: Teacher | None = None  # set: the output is forced (perplexity), not sampled
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -74,6 +87,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Cache entries the request holds: its computed tokens less those evicted."""
+        return self.num_computed_tokens - self.num_evicted_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,6 +113,12 @@ class Request:
     def sort_key(self) -> tuple[int, int, int]:
         """Lower runs first: priority, then arrival (FCFS), then sample index."""
         return (self.params.priority, self.arrival, self.sample_index)
+
+    def reset_eviction(self) -> None:
+        """Its KV is gone (preemption by recompute): start over with nothing evicted."""
+        self.num_evicted_tokens = 0
+        if self.eviction is not None:
+            self.eviction.reset()
 
     def update_block_hashes(self, block_size: int) -> None:
         """Extend block_hashes to cover every full block of token_ids."""

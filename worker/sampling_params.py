@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvstrata.worker.token_eviction import EvictionPolicy, resolve_eviction
+
 MAX_N = 64
 MAX_LOGPROBS = 20
 _MIN_TEMPERATURE = 1e-5
@@ -24,6 +26,9 @@ class SamplingParams:
     logprobs: int | None = None
     ignore_eos: bool = False
     priority: int = 0
+    # a token eviction policy for this request (a policy, or a spec such as "h2o(heavy=32, recent=32)");
+    # None: the model's (LLM(kv_eviction=...)), if any. Parsed into a policy at construction.
+    kv_eviction: EvictionPolicy | str | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -57,6 +62,7 @@ class SamplingParams:
         for i, t in enumerate(ids):
             _check_int(f"stop_token_ids[{i}]", t, lo=0)
         self.stop_token_ids = ids
+        self.kv_eviction = resolve_eviction(self.kv_eviction, "kv_eviction")
 
     @property
     def greedy(self) -> bool:

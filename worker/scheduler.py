@@ -90,7 +90,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget, req,
+                            req.num_computed_tokens, self.kv.num_shared_tokens(req) if req.eviction else 0)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -114,7 +115,7 @@ class Scheduler:
             if req is None:
                 break
             if req.swapped is not None:
-                n = self._chunk(req.num_tokens - req.swapped[1], budget)
+                n = self._chunk(req.num_tokens - req.swapped[1], budget, req, req.swapped[1], 0)
                 resumed = self.kv.swap_in(req, n, watermark=True)
                 if resumed is False:
                     break
@@ -130,7 +131,8 @@ class Scheduler:
                 # wait a step: for its blocks to arrive from NVMe, or for a prefill to cache them
                 deferred.append(heapq.heappop(self._waiting))
                 continue
-            n = self._chunk(req.num_tokens - req.num_computed_tokens - computed.num_tokens, budget)
+            n = self._chunk(req.num_tokens - req.num_computed_tokens - computed.num_tokens, budget, req,
+                            req.num_computed_tokens + computed.num_tokens, computed.num_tokens)
             if not self.kv.allocate_slots(req, n, computed, watermark=True):
                 break
             if req.num_cached_tokens is None:
@@ -167,13 +169,19 @@ class Scheduler:
             return []
         bs = self.kv.block_size
         start = (req.num_computed_tokens - n) // bs if req.status is RequestStatus.RUNNING else 0
-        end = (req.num_computed_tokens + n) // bs
+        end = min((req.num_computed_tokens + n) // bs, self.kv.num_cacheable_blocks(req))
         req.update_block_hashes(bs)
         return req.block_hashes[max(0, start):end]
 
-    def _chunk(self, remaining: int, budget: int) -> int:
+    def _chunk(self, remaining: int, budget: int, req: Request, num_computed: int, num_shared: int) -> int:
+        """Tokens of req to compute this step. num_computed: its computed tokens once admitted, of
+        which num_shared sit in shared blocks (a token eviction policy keeps those)."""
         cap = self.config.long_prefill_token_threshold or budget
-        return min(remaining, budget, cap)
+        n = min(remaining, budget, cap)
+        if req.eviction is not None:  # stay within the policy's budget plus one block
+            n = min(n, req.eviction.max_chunk(num_computed - req.num_evicted_tokens, num_shared, num_computed,
+                                              req.num_prompt_tokens, self.kv.block_size))
+        return n
 
     def _peek_waiting(self) -> Request | None:
         while self._waiting:
@@ -188,6 +196,8 @@ class Scheduler:
         if self.kv.swap_out(request):  # its blocks wait in DRAM; otherwise it is recomputed
             self.num_swaps += 1
         self.kv.free(request)
+        if request.swapped is None:
+            request.reset_eviction()  # recomputed from scratch; a swapped request keeps its count
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -197,7 +197,8 @@ class StepMessage:
     tier_ops: list[tuple[int, list[int], list[int]]]  # (kind, src ids, dst ids): DRAM tier copies, first
 
 
-def unpack_step(fields: list[torch.Tensor], block_size: int, device: torch.device, cpu_kernels=None) -> StepMessage:
+def unpack_step(fields: list[torch.Tensor], block_size: int, device: torch.device, cpu_kernels=None,
+                kv_format=None) -> StepMessage:
     """pack_step's fields back into a step."""
     (counts, input_ids, positions, slots, tables, seq_lens, prefill_info, prefill_ids, src, dst,
      kinds, lens, tier_src, tier_dst) = fields
@@ -215,7 +216,7 @@ def unpack_step(fields: list[torch.Tensor], block_size: int, device: torch.devic
         offset += n
     meta = AttentionMetadata(slot_mapping=slots.to(device), num_decodes=d, decode_block_tables=decode_tables,
                              decode_seq_lens=seq_lens.to(device) if d else None, decode_mask=decode_mask,
-                             prefills=prefills, cpu_kernels=cpu_kernels)
+                             prefills=prefills, cpu_kernels=cpu_kernels, kv_format=kv_format)
     tier_ops = []
     offset = 0
     for kind, n in zip(kinds.tolist(), lens.tolist()):

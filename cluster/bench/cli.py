@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from kvstrata.cluster.argtypes import positive_int
+from kvstrata.worker.kv_dtypes import KV_DTYPE_NAMES
 from kvstrata.worker.model_source import DEFAULT_MODEL
 
 
@@ -105,6 +106,8 @@ def _add_throughput(bench_sub) -> None:
                    help="HF baselines to run; the faster one is the reference (default both)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, default="auto",
+                   help="KV cache storage for kvstrata (auto: the model dtype; others are lossy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the report as one JSON object")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart (needs matplotlib)")
@@ -140,7 +143,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     if args.ablate_prefix_caching:
         return _run_ablation(args)
     workload = WORKLOADS[args.workload](num_requests=args.num_requests, seed=args.seed)
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype)
     hf = load_hf_model(args.model, args.dtype) if args.baseline == "hf" else None
     reports = []
     for _ in range(args.rounds):

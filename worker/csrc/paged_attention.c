@@ -5,7 +5,9 @@
  * gathered or copied and every K/V byte is read once per step from memory. Queries and output
  * accumulators live in registers; scores of 16 tokens are reduced together (transpose_sum16).
  *
- *   k_cache, v_cache: [num_blocks, block_size, Hkv, D]   (fp32, or bf16 stored as uint16)
+ *   k_cache, v_cache: [num_blocks, block_size, Hkv, row]: fp32 rows of D, bf16 rows of D stored as
+ *                     uint16, or byte-code rows: D one-byte codes (int8 or fp8, decoded through a
+ *                     256-entry table) followed by the row's fp16 scale
  *   q, out:           [B, H, D] float32 (the caller converts bf16); q's rows are q_stride floats apart
  *   block_tables:     [B, W] int64, seq_lens: [B] int64 (tokens to attend, this step's included)
  *
@@ -92,13 +94,38 @@ static inline __attribute__((always_inline)) v16f transpose_sum16(const v16f *p)
 #undef PAIRS
 }
 
-/* n cache elements from offset as float32: fp32 is used in place, bf16 is widened into buf. */
-static inline __attribute__((always_inline)) const float *load_row(const void *cache, int64_t offset, int64_t n,
-                                                                   int is_bf16, float *buf) {
-    if (!is_bf16) return (const float *)cache + offset;
-    const uint16_t *src = (const uint16_t *)cache + offset;
+enum { ROW_F32 = 0, ROW_BF16 = 1, ROW_CODES = 2 };
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, u;
+    if (exp == 0) { /* zero or subnormal: exact as a float product */
+        float f = (float)mant * 5.9604644775390625e-08f; /* 2^-24 */
+        return sign ? -f : f;
+    }
+    u = exp == 31 ? sign | 0x7f800000 | (mant << 13) : sign | ((exp + 112) << 23) | (mant << 13);
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Bytes of one head's row of one token. */
+static inline int64_t head_row_bytes(int kind, int64_t d) {
+    return kind == ROW_F32 ? 4 * d : kind == ROW_BF16 ? 2 * d : d + 2;
+}
+
+/* Row `row` of the cache (d values) as float32: fp32 is used in place, the others are decoded into buf. */
+static inline __attribute__((always_inline)) const float *load_row(const void *cache, int64_t row, int64_t d,
+                                                                   int kind, const float *lut, float *buf) {
+    if (kind == ROW_F32) return (const float *)cache + row * d;
+    if (kind == ROW_BF16) {
+        const uint16_t *src = (const uint16_t *)cache + row * d;
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) buf[i] = bf16_to_f32(src[i]);
+        for (int64_t i = 0; i < d; i++) buf[i] = bf16_to_f32(src[i]);
+        return buf;
+    }
+    const uint8_t *src = (const uint8_t *)cache + row * (d + 2);
+    float sc = f16_to_f32((uint16_t)(src[d] | (src[d + 1] << 8)));
+    for (int64_t i = 0; i < d; i++) buf[i] = lut[src[i]] * sc;
     return buf;
 }
 
@@ -108,8 +135,8 @@ static inline __attribute__((always_inline)) const float *load_row(const void *c
  * output accumulators stay in registers, and each K/V row of the head is read once per block. */
 static inline __attribute__((always_inline)) void decode_queries(
     const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, float *out,
-    int64_t kv_head, int64_t num_kv_heads, const int NQ, const int DV, int64_t bs, float scale, int is_bf16,
-    float *work) {
+    int64_t kv_head, int64_t num_kv_heads, const int NQ, const int DV, int64_t bs, float scale, int kind,
+    const float *lut, float *work) {
     const int64_t d = 16 * DV;
     v16f qv[QMAX][128 / 16], acc[QMAX][128 / 16];
     float m[QMAX], l[QMAX];
@@ -125,7 +152,7 @@ static inline __attribute__((always_inline)) void decode_queries(
         m[g] = -1e30f;
         l[g] = 0.0f;
     }
-    int64_t num_blocks = (ctx + bs - 1) / bs, elem = is_bf16 ? 2 : 4;
+    int64_t num_blocks = (ctx + bs - 1) / bs, head_bytes = head_row_bytes(kind, d);
     for (int64_t ib = 0; ib < num_blocks; ib++) {
         int64_t block = table[ib];
         int64_t n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
@@ -133,24 +160,24 @@ static inline __attribute__((always_inline)) void decode_queries(
          * scored, ask for the same row of the next block (K and V, this head only) */
         const char *next_k = NULL, *next_v = NULL;
         if (ib + 1 < num_blocks) {
-            int64_t off = (table[ib + 1] * bs * num_kv_heads + kv_head) * d * elem;
+            int64_t off = (table[ib + 1] * bs * num_kv_heads + kv_head) * head_bytes;
             next_k = (const char *)k_cache + off;
             next_v = (const char *)v_cache + off;
         }
-        int64_t row_bytes = num_kv_heads * d * elem;
+        int64_t row_bytes = num_kv_heads * head_bytes;
         /* scores, 16 tokens at a time */
         for (int64_t j0 = 0; j0 < n; j0 += 16) {
             int64_t nj = n - j0 < 16 ? n - j0 : 16;
             for (int64_t j = 0; j < 16; j++) {
                 if (j < nj) {
                     if (next_k) {
-                        for (int64_t b = 0; b < d * elem; b += 64) {
+                        for (int64_t b = 0; b < head_bytes; b += 64) {
                             __builtin_prefetch(next_k + (j0 + j) * row_bytes + b);
                             __builtin_prefetch(next_v + (j0 + j) * row_bytes + b);
                         }
                     }
-                    const float *kr = load_row(k_cache, ((block * bs + j0 + j) * num_kv_heads + kv_head) * d, d,
-                                               is_bf16, buf);
+                    const float *kr = load_row(k_cache, (block * bs + j0 + j) * num_kv_heads + kv_head, d,
+                                               kind, lut, buf);
                     v16f kv[128 / 16];
                     UNROLL for (int i = 0; i < DV; i++) kv[i] = load16(kr + 16 * i);
                     UNROLL for (int g = 0; g < NQ; g++) {
@@ -191,7 +218,7 @@ static inline __attribute__((always_inline)) void decode_queries(
         }
         /* weighted values */
         for (int64_t j = 0; j < n; j++) {
-            const float *vr = load_row(v_cache, ((block * bs + j) * num_kv_heads + kv_head) * d, d, is_bf16, buf);
+            const float *vr = load_row(v_cache, (block * bs + j) * num_kv_heads + kv_head, d, kind, lut, buf);
             v16f vv[128 / 16];
             UNROLL for (int i = 0; i < DV; i++) vv[i] = load16(vr + 16 * i);
             UNROLL for (int g = 0; g < NQ; g++) {
@@ -212,7 +239,7 @@ static inline __attribute__((always_inline)) void decode_queries(
 /* A generic head size (not a multiple of 16, or above 128): one query at a time, scalar dots. */
 static void decode_query_generic(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
                                  int64_t ctx, float *out, int64_t kv_head, int64_t num_kv_heads, int64_t d,
-                                 int64_t bs, float scale, int is_bf16, float *work) {
+                                 int64_t bs, float scale, int kind, const float *lut, float *work) {
     float *s = work, *buf = s + bs, *acc = buf + d;
     float m = -1e30f, l = 0.0f;
     for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
@@ -220,7 +247,7 @@ static void decode_query_generic(const float *q, const void *k_cache, const void
     for (int64_t ib = 0; ib < num_blocks; ib++) {
         int64_t block = table[ib], n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
         for (int64_t j = 0; j < n; j++) {
-            const float *kr = load_row(k_cache, ((block * bs + j) * num_kv_heads + kv_head) * d, d, is_bf16, buf);
+            const float *kr = load_row(k_cache, (block * bs + j) * num_kv_heads + kv_head, d, kind, lut, buf);
             float t = 0.0f;
             for (int64_t i = 0; i < d; i++) t += q[i] * kr[i];
             s[j] = t * scale;
@@ -234,7 +261,7 @@ static void decode_query_generic(const float *q, const void *k_cache, const void
         }
         for (int64_t i = 0; i < d; i++) acc[i] *= corr;
         for (int64_t j = 0; j < n; j++) {
-            const float *vr = load_row(v_cache, ((block * bs + j) * num_kv_heads + kv_head) * d, d, is_bf16, buf);
+            const float *vr = load_row(v_cache, (block * bs + j) * num_kv_heads + kv_head, d, kind, lut, buf);
             for (int64_t i = 0; i < d; i++) acc[i] += s[j] * vr[i];
         }
         m = mx;
@@ -247,12 +274,12 @@ static void decode_query_generic(const float *q, const void *k_cache, const void
 /* All queries of one (sequence, KV head) pair, in register-sized chunks. */
 static inline __attribute__((always_inline)) void decode_head(
     const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, float *out,
-    int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t d, int64_t bs, float scale, int is_bf16,
-    float *work) {
+    int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t d, int64_t bs, float scale, int kind,
+    const float *lut, float *work) {
     if (d != 64 && d != 128) {
         for (int64_t g = 0; g < group; g++)
             decode_query_generic(q + g * d, k_cache, v_cache, table, ctx, out + g * d, kv_head, num_kv_heads, d, bs,
-                                 scale, is_bf16, work);
+                                 scale, kind, lut, work);
         return;
     }
     int64_t chunk = d == 64 ? QMAX : QMAX / 2;
@@ -262,7 +289,7 @@ static inline __attribute__((always_inline)) void decode_head(
         float *oc = out + g0 * d;
         /* constant query counts and head sizes let each variant keep its state in registers */
 #define VARIANT(NQ, DV) decode_queries(qc, k_cache, v_cache, table, ctx, oc, kv_head, num_kv_heads, NQ, DV, bs, \
-                                       scale, is_bf16, work)
+                                       scale, kind, lut, work)
         if (d == 64) {
             if (nq == 4) VARIANT(4, 4);
             else if (nq == 3) VARIANT(3, 4);
@@ -279,7 +306,7 @@ static inline __attribute__((always_inline)) void decode_head(
 static void decode_all(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                        const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
                        int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width, float scale,
-                       int is_bf16) {
+                       int kind, const float *lut) {
     int64_t group = num_heads / num_kv_heads;
     int64_t bs16 = (bs + 15) / 16 * 16;
     size_t work_floats = (size_t)(QMAX * 16 * 16 + QMAX * bs16 + 3 * d + bs16);
@@ -290,7 +317,7 @@ static void decode_all(const float *q, int64_t q_stride, const void *k_cache, co
         for (int64_t task = 0; task < batch * num_kv_heads; task++) {
             int64_t b = task / num_kv_heads, h = task % num_kv_heads;
             decode_head(q + b * q_stride + h * group * d, k_cache, v_cache, block_tables + b * width, seq_lens[b],
-                        out + (b * num_heads + h * group) * d, h, num_kv_heads, group, d, bs, scale, is_bf16, work);
+                        out + (b * num_heads + h * group) * d, h, num_kv_heads, group, d, bs, scale, kind, lut, work);
         }
         free(work);
     }
@@ -301,7 +328,7 @@ void kvs_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache
                           int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs,
                           int64_t width, float scale) {
     decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
-               width, scale, 0);
+               width, scale, ROW_F32, NULL);
 }
 
 void kvs_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -309,5 +336,14 @@ void kvs_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_c
                            int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs,
                            int64_t width, float scale) {
     decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
-               width, scale, 1);
+               width, scale, ROW_BF16, NULL);
+}
+
+/* Byte-code rows (int8, fp8): lut maps each code to its value before the row's scale. */
+void kvs_paged_decode_codes(const float *q, int64_t q_stride, const uint8_t *k_cache, const uint8_t *v_cache,
+                            const int64_t *block_tables, const int64_t *seq_lens, float *out,
+                            int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs,
+                            int64_t width, float scale, const float *lut) {
+    decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
+               width, scale, ROW_CODES, lut);
 }
