@@ -47,3 +47,14 @@ def non_negative_float(text: str) -> float:
     if not value >= 0:  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def kv_dtype_list(text: str) -> tuple[str, ...]:
+    """Comma-separated KV cache formats, e.g. auto,int8,int4."""
+    from kvstrata.worker.kv_dtypes import KV_DTYPE_NAMES
+
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    bad = [v for v in values if v not in KV_DTYPE_NAMES]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"kv dtypes must be among {', '.join(KV_DTYPE_NAMES)}, got {text!r}")
+    return values

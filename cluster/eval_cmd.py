@@ -6,8 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from kvstrata.cluster.argtypes import positive_int
-from kvstrata.worker.kv_dtypes import KV_DTYPE_NAMES
+from kvstrata.cluster.argtypes import kv_dtype_list, positive_int
 from kvstrata.worker.model_source import DEFAULT_MODEL
 
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
@@ -24,23 +23,18 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--text", type=Path, default=Path(DEFAULT_TEXT), help=f"a UTF-8 text (default {DEFAULT_TEXT})")
     p.add_argument("--max-tokens", type=positive_int, default=2048, help="tokens of the text to score (default 2048)")
-    p.add_argument("--kv-dtype", type=_kv_dtypes, default=("auto",),
+    p.add_argument("--kv-dtype", type=kv_dtype_list, default=("auto",),
                    help="comma-separated KV formats, e.g. auto,int8,int4 (default auto)")
     p.add_argument("--eviction", action="append", default=None,
                    help='a token eviction policy, e.g. "streaming(sinks=4, window=252)"; repeat for several')
     p.add_argument("--no-reference", action="store_true",
                    help="do not add the full-precision, full-cache run the others are compared with")
+    p.add_argument("--prompt-tokens", type=positive_int, default=1,
+                   help="the text's first tokens form a prompt, prefilled and not scored (default 1); a policy "
+                        "that acts at the end of prefill (snapkv) needs one")
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--json", type=Path, default=None, help="write the results as one JSON object")
     p.set_defaults(func=run_ppl)
-
-
-def _kv_dtypes(text: str) -> tuple[str, ...]:
-    values = tuple(v.strip() for v in text.split(",") if v.strip())
-    bad = [v for v in values if v not in KV_DTYPE_NAMES]
-    if not values or bad:
-        raise argparse.ArgumentTypeError(f"kv dtypes must be among {', '.join(KV_DTYPE_NAMES)}, got {text!r}")
-    return values
 
 
 def settings(kv_dtypes: tuple[str, ...], evictions: list[str] | None, reference: bool) -> list[tuple[str, str | None]]:
@@ -67,8 +61,8 @@ def run_ppl(args: argparse.Namespace) -> int:
                   num_gpu_blocks=args.max_tokens // args.block_size + 4, max_model_len=args.max_tokens + 16)
         if tokens is None:
             tokens = read_text_tokens(llm.tokenizer, args.text, args.max_tokens)
-        progress = Progress(f"ppl kv_dtype={kv_dtype} eviction={eviction}", len(tokens) - 1)
-        results.append(perplexity(llm, tokens, eviction, on_token=progress.advance))
+        progress = Progress(f"ppl kv_dtype={kv_dtype} eviction={eviction}", len(tokens) - args.prompt_tokens)
+        results.append(perplexity(llm, tokens, eviction, args.prompt_tokens, on_token=progress.advance))
         del llm
     ref = results[0].ppl
     print(f"{'kv dtype':<10} {'eviction':<34} {'tokens':>6} {'ppl':>9} {'vs ref':>8} {'KV B/token':>10} "
@@ -79,6 +73,7 @@ def run_ppl(args: argparse.Namespace) -> int:
               f"{1000 * r.seconds / r.num_tokens:>8.1f}")
     if args.json is not None:
         report = {"model": args.model, "text": str(args.text), "max_tokens": args.max_tokens,
+                  "prompt_tokens": args.prompt_tokens,
                   "reference_ppl": ref, "results": [r.to_dict() | {"vs_reference": r.ppl / ref - 1} for r in results]}
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -1,7 +1,7 @@
 """Perplexity through the engine's own cache path, to measure what lossy KV settings cost.
 
-The text's first token is the prompt; every later token is teacher-forced as the output of a
-decode step. So each token's log-probability comes from attention over K/V read back from the
+The text's first token (or first few) is the prompt; every later token is teacher-forced as the
+output of a decode step. So each token's log-probability comes from attention over K/V read back from the
 paged pool, in whatever format it is stored and after whatever a token-eviction policy kept, just
 as in serving (not from a separate full-attention pass).
 """
@@ -21,7 +21,7 @@ from kvstrata.worker.sampling_params import SamplingParams
 class PplResult:
     kv_dtype: str
     eviction: str | None
-    num_tokens: int  # tokens scored (the text's tokens but the first)
+    num_tokens: int  # tokens scored (the text's tokens after the prompt)
     nll: float  # mean negative log-likelihood, nats per token
     ppl: float
     kv_bytes_per_token: int  # K and V of every layer, scales included, on this rank
@@ -46,15 +46,17 @@ def read_text_tokens(tokenizer: Any, path: Path, max_tokens: int) -> list[int]:
     return ids
 
 
-def perplexity(llm: Any, token_ids: list[int], eviction: str | None = None,
+def perplexity(llm: Any, token_ids: list[int], eviction: str | None = None, prompt_tokens: int = 1,
                on_token: Callable[[], None] | None = None) -> PplResult:
-    """Score token_ids[1:] given everything before each, one decode step per token."""
-    if len(token_ids) < 2:
-        raise ValueError("perplexity needs at least 2 tokens")
+    """Score token_ids[prompt_tokens:] given everything before each, one decode step per token. The
+    first prompt_tokens are a prompt, prefilled (a policy such as SnapKV acts at its end)."""
+    if not 1 <= prompt_tokens < len(token_ids):
+        raise ValueError(f"prompt_tokens must be between 1 and {len(token_ids) - 1}, got {prompt_tokens}")
     engine = llm.engine
-    params = SamplingParams(max_tokens=len(token_ids) - 1, temperature=0.0, ignore_eos=True, kv_eviction=eviction)
+    scored = token_ids[prompt_tokens:]
+    params = SamplingParams(max_tokens=len(scored), temperature=0.0, ignore_eos=True, kv_eviction=eviction)
     request_id = f"ppl-{time.monotonic_ns()}"
-    engine.add_request(request_id, token_ids[:1], params, teacher_ids=token_ids[1:])
+    engine.add_request(request_id, token_ids[:prompt_tokens], params, teacher_ids=scored)
     request = engine.groups[request_id].samples[0]
     peak = 0
     start = time.perf_counter()
@@ -65,8 +67,8 @@ def perplexity(llm: Any, token_ids: list[int], eviction: str | None = None,
             on_token()
     seconds = time.perf_counter() - start
     logprobs = request.teacher.logprobs
-    if len(logprobs) != len(token_ids) - 1:
-        raise RuntimeError(f"scored {len(logprobs)} of {len(token_ids) - 1} tokens")
+    if len(logprobs) != len(scored):
+        raise RuntimeError(f"scored {len(logprobs)} of {len(scored)} tokens")
     nll = -math.fsum(logprobs) / len(logprobs)
     runner = engine.runner
     per_block = runner.kv_bytes_per_block(runner.model, runner.block_size, llm.kv_dtype)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from kvstrata.cluster.argtypes import integer
+from kvstrata.cluster.argtypes import integer, non_negative_float
 from kvstrata.worker.kv_dtypes import KV_DTYPE_NAMES
 from kvstrata.worker.model_source import DEFAULT_MODEL
 
@@ -54,16 +54,6 @@ def _positive(text: str) -> int:
     value = integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
 
 
@@ -125,7 +115,7 @@ OPTIONS = [
     Option("tp", _positive, 1, "tensor-parallel ranks: this process and tp - 1 Ray actors"),
     Option("workers", _positive, 1, "worker groups; more than 1 (or --redis, --address) runs a cluster on Ray"),
     Option("routers", _positive, 1, "router actors of a cluster"),
-    Option("worker_gpus", _non_negative_number, 0.0, "GPUs Ray reserves for each worker actor of a cluster (1 on "
+    Option("worker_gpus", non_negative_float, 0.0, "GPUs Ray reserves for each worker actor of a cluster (1 on "
            "GPU nodes; the other tensor-parallel ranks reserve their own)"),
     Option("routing_policy", _text, "prefix_aware", "how routers place requests",
            ("prefix_aware", "round_robin", "least_loaded", "power_of_two")),

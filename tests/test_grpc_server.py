@@ -28,6 +28,12 @@ def live(llm):
     server.stop()
 
 
+def _engine_generate(live, llm, prompt: str, params: SamplingParams):
+    """The in-process engine's own output, generated on the server's engine thread: the server owns
+    the engine while it runs, and stepping it from the test thread as well would race with it."""
+    return live.run(live.service.call(lambda _: llm.generate(prompt, params)[0].outputs[0]))
+
+
 def test_generate_streams_tokens_equal_to_the_in_process_engine(live, llm):
     prompt = "The three primary colours are"
     responses = list(live.gen.Generate(pb.GenerateRequest(
@@ -41,7 +47,7 @@ def test_generate_streams_tokens_equal_to_the_in_process_engine(live, llm):
     assert responses[-1].usage.prompt_tokens == len(llm.tokenizer.encode(prompt))
     assert [r.finish_reason for r in responses if r.finish_reason] == ["length"]
     # the server's output is the engine's own greedy output
-    ref = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0]
+    ref = _engine_generate(live, llm, prompt, SamplingParams(max_tokens=12, temperature=0.0))
     assert streamed == ref.token_ids
     assert text == ref.text
 
@@ -57,7 +63,7 @@ def test_repeated_prompt_reports_cached_tokens(live):
 
 def test_stop_string_is_never_streamed(live, llm):
     prompt = "Count: 1, 2, 3, 4, 5,"
-    ref = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0))[0].outputs[0].text
+    ref = _engine_generate(live, llm, prompt, SamplingParams(max_tokens=16, temperature=0.0)).text
     stop = ref.strip()[2:5]  # a piece of the greedy continuation
     assert stop
     responses = list(live.gen.Generate(pb.GenerateRequest(

@@ -234,6 +234,16 @@ def test_teacher_forced_perplexity_reads_the_quantized_cache(llm, int8_llm):
     assert full.ppl != quant.ppl  # the int8 pool really is read
     assert abs(quant.ppl / full.ppl - 1) < 0.05
     assert quant.kv_bytes_per_token == 30 * 2 * 3 * 66 and full.kv_bytes_per_token == 30 * 2 * 3 * 64 * 4
+    tail = perplexity(llm, ids, prompt_tokens=64)  # a prefilled prompt, then the rest scored
+    assert tail.num_tokens == len(ids) - 64 and math.isfinite(tail.ppl)
+    # a prompt prefilled in several chunks: steps that sample nothing come before the forced ones
+    from kvstrata import LLM
+
+    small_steps = LLM("smollm2-135m", num_gpu_blocks=16, max_num_batched_tokens=16)
+    chunked = perplexity(small_steps, ids, prompt_tokens=64)
+    assert chunked.num_tokens == tail.num_tokens and abs(chunked.ppl / tail.ppl - 1) < 1e-3
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        perplexity(llm, ids, prompt_tokens=len(ids))
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -280,3 +290,17 @@ def test_the_c_decode_kernel_reads_byte_code_rows_in_place_like_the_torch_path(n
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="code table"):
         kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+
+
+@needs_model
+def test_bench_kv_decode_times_each_format_side_by_side(tmp_path, capsys):
+    from kvstrata.cluster.cli import main
+
+    out = tmp_path / "kv.json"
+    assert main(["bench", "kv-decode", "--kv-dtypes", "auto,int8", "--context", "40", "--batch", "2",
+                 "--steps", "2", "--rounds", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["kv_dtype"] for r in rows] == ["auto", "int8"]
+    assert [r["kv_bytes_per_token"] for r in rows] == [30 * 2 * 3 * 64 * 4, 30 * 2 * 3 * 66]
+    assert all(r["steps"] == 4 and r["step_ms_median"] > 0 and r["context_len"] == 40 for r in rows)
+    assert "int8" in capsys.readouterr().out

@@ -215,7 +215,7 @@ class LLMEngine:
         self.evictor.after_step(batch)  # before forks, so that samples share the evicted cache
         self.stats.num_steps += 1
         result = self.sampler.sample(logits, to_sample) if to_sample else None
-        if self._num_teachers:
+        if self._num_teachers and result is not None:
             self._force(logits, to_sample, result.token_ids)
         finished: list[RequestOutput] = []
         for req in batch.requests:
