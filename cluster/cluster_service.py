@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -196,12 +197,30 @@ def start_cluster(spec: ClusterSpec, metrics=None) -> ClusterService:
                       .remote(i, spec.llm_kwargs, spec.redis, [ROUTER_NAME.format(j) for j in range(spec.num_routers)],
                               spec.max_waiting, spec.max_tokens_limit))
     infos = ray.get([workers[w].model_info.remote() for w in worker_ids])
+    _wait_until_routed(routers, len(worker_ids))
     info = infos[0]
     tokenizer = _tokenizer(model)
     model_info = ModelInfo(info["model_id"], tokenizer, config, info["dtype"], info["max_model_len"], info["block_size"])
     service = ClusterService(routers, workers, model_info, spec.max_tokens_limit, metrics)
     service.placement_groups = groups
     return service
+
+
+def _wait_until_routed(routers: list, num_workers: int, timeout_s: float = 30.0) -> None:
+    """Until every router has seen every worker answer (its load poll marks a worker that was still
+    starting as unhealthy), so that the first requests are not refused."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = ray.get([r.stats.remote() for r in routers])
+        if all(len(s["healthy_workers"]) == num_workers for s in stats):
+            return
+        if time.monotonic() > deadline:
+            log.warning("routers still see only %s of %d workers after %.0f s",
+                        [len(s["healthy_workers"]) for s in stats], num_workers, timeout_s)
+            return
+        time.sleep(0.05)
 
 
 def worker_placement(spec: ClusterSpec, timeout_s: float = 120.0) -> tuple[dict[str, Any], Any]:
