@@ -266,8 +266,8 @@ def test_eval_ppl_command_writes_a_table_and_json(tmp_path, capsys):
         main(["eval", "ppl", "--kv-dtype", "int3"])
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
-def test_the_c_decode_kernel_reads_byte_code_rows_in_place_like_the_torch_path(name):
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2", "bf16"])
+def test_the_c_decode_kernel_reads_quantized_rows_in_place_like_the_torch_path(name):
     from kvstrata.worker.attention import _decode_attention
     from kvstrata.worker.cpu_kernels import load_cpu_kernels
 
@@ -288,8 +288,10 @@ def test_the_c_decode_kernel_reads_byte_code_rows_in_place_like_the_torch_path(n
     mask = (torch.arange(20 * BS)[None, :] < lens[:, None]).view(3, 1, 1, -1)
     ref = _decode_attention(q, k_cache, v_cache, tables, mask, 0.125, fmt)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="code table"):
-        kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    assert fmt.kernel_readable and not make_kv_format("int4", D, BS, torch.float32).kernel_readable
+    if name != "bf16":
+        with pytest.raises(ValueError, match="code table"):
+            kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
 
 
 @needs_model

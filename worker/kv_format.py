@@ -64,6 +64,11 @@ class KVFormat(ABC):
         return False
 
     @property
+    def kernel_readable(self) -> bool:
+        """The C decode kernel reads this pool in place: fp32 or bf16 rows, or one-byte codes."""
+        return self.code_table is not None
+
+    @property
     def code_table(self) -> torch.Tensor | None:
         """For one-byte codes with a row scale: each code's value [256] float32 (the C decode kernel
         reads such rows in place); None for other formats."""
@@ -99,6 +104,10 @@ class PlainFormat(KVFormat):
     @property
     def is_plain(self) -> bool:
         return self.dtype == self.compute_dtype
+
+    @property
+    def kernel_readable(self) -> bool:
+        return self.dtype in (torch.float32, torch.bfloat16)
 
     def write(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, key: bool) -> None:
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(self.dtype))

@@ -54,8 +54,7 @@ class ModelRunner:
             dtype=spec.dtype,
             device=model.device,
         )
-        readable = self.kv_format.is_plain or self.kv_format.code_table is not None  # the C decode reads it in place
-        kernels = load_cpu_kernels() if self.device.type == "cpu" and readable else None
+        kernels = load_cpu_kernels() if self.device.type == "cpu" and self.kv_format.kernel_readable else None
         if kernels is not None and not kernels.supports(model.dtype, model.num_heads, model.num_kv_heads):
             kernels = None
         self.cpu_kernels = kernels
