@@ -50,9 +50,9 @@ class ClusterSpec:
 
 class ClusterService(Drainable):
     def __init__(self, routers: list, workers: dict[str, Any], model_info: ModelInfo, max_tokens_limit: int,
-                 metrics=None):
+                 metrics=None, placement_groups: list | None = None):
         self.routers = routers
-        self.placement_groups: list = []  # the worker groups' (tp > 1), removed at shutdown
+        self.placement_groups = placement_groups or []  # the worker groups' (tp > 1), removed at shutdown
         self.workers = workers
         self.model_info = model_info
         self.max_tokens_limit = max_tokens_limit
@@ -201,9 +201,7 @@ def start_cluster(spec: ClusterSpec, metrics=None) -> ClusterService:
     info = infos[0]
     tokenizer = _tokenizer(model)
     model_info = ModelInfo(info["model_id"], tokenizer, config, info["dtype"], info["max_model_len"], info["block_size"])
-    service = ClusterService(routers, workers, model_info, spec.max_tokens_limit, metrics)
-    service.placement_groups = groups
-    return service
+    return ClusterService(routers, workers, model_info, spec.max_tokens_limit, metrics, placement_groups=groups)
 
 
 def _wait_until_routed(routers: list, num_workers: int, timeout_s: float = 30.0) -> None:

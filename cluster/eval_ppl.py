@@ -71,7 +71,6 @@ def perplexity(llm: Any, token_ids: list[int], eviction: str | None = None, prom
         raise RuntimeError(f"scored {len(logprobs)} of {len(scored)} tokens")
     nll = -math.fsum(logprobs) / len(logprobs)
     runner = engine.runner
-    per_block = runner.kv_bytes_per_block(runner.model, runner.block_size, llm.kv_dtype)
     return PplResult(kv_dtype=llm.kv_dtype, eviction=eviction, num_tokens=len(logprobs), nll=nll,
-                     ppl=math.exp(nll), kv_bytes_per_token=per_block // runner.block_size, peak_kv_blocks=peak,
+                     ppl=math.exp(nll), kv_bytes_per_token=runner.kv_bytes_per_token, peak_kv_blocks=peak,
                      seconds=seconds)

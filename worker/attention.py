@@ -83,8 +83,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
             scale: float) -> torch.Tensor:
     if meta.cpu_kernels is not None:
-        fmt = meta.kv_format
-        table = fmt.code_table if fmt is not None and not fmt.is_plain else None
+        table = meta.kv_format.code_table if meta.kv_format is not None else None  # None for float rows
         return meta.cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                              scale, table)
     return _decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale, meta.kv_format)

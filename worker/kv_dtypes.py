@@ -4,8 +4,12 @@ KV_DTYPE_NAMES = ("auto", "fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8"
 INT4_V_GROUP = 16  # channels per int4 value scale, chosen by measurement (docs/benchmarks.md)
 
 
+def int4_value_group(head_dim: int) -> int:
+    """Channels per int4 value scale: INT4_V_GROUP, or the whole head when it does not divide it."""
+    return INT4_V_GROUP if head_dim % INT4_V_GROUP == 0 else head_dim
+
+
 def int4_row_extra_bytes(head_dim: int, block_size: int) -> int:
     """Scale bytes in each int4 row: room for the block's per-channel key step and minimum (two fp16
     per channel, spread over the block's rows) and for one token's value scales (fp16 per group)."""
-    v_group = INT4_V_GROUP if head_dim % INT4_V_GROUP == 0 else head_dim
-    return 2 * max(-(-2 * head_dim // block_size), head_dim // v_group)
+    return 2 * max(-(-2 * head_dim // block_size), head_dim // int4_value_group(head_dim))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.worker.kv_dtypes import INT4_V_GROUP, KV_DTYPE_NAMES, int4_row_extra_bytes
+from kvstrata.worker.kv_dtypes import KV_DTYPE_NAMES, int4_row_extra_bytes, int4_value_group
 
 # fp8 codes and the value a row's largest magnitude maps to. e5m2 could reach 57344, but its precision
 # is the same anywhere in its normal range, and 448 keeps every fp16 scale a normal number.
@@ -80,15 +80,10 @@ class KVFormat(ABC):
         return spec.row_width * torch.empty((), dtype=spec.dtype).element_size()
 
     def move_slots(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy token slots src[i] -> dst[i] in every layer of the pool (reads all before writing)."""
-        bs = self.block_size
-        src_blocks, inverse = torch.unique(src // bs, return_inverse=True)
-        rows = inverse * bs + src % bs
-        for layer in range(kv_cache.shape[0]):
-            for kv in (0, 1):
-                cache = kv_cache[layer, kv]
-                x = self.read(cache, src_blocks, key=kv == 0)[rows]  # [len(src), Hkv, D]
-                self.write(cache, x, dst, key=kv == 0)
+        """Copy token slots src[i] -> dst[i] in every layer of the pool (reads all before writing).
+        A row that carries its own scales moves as bytes, exactly."""
+        flat = kv_cache.view(kv_cache.shape[0], 2, -1, *kv_cache.shape[4:])
+        flat[:, :, dst] = flat[:, :, src]
 
 
 class PlainFormat(KVFormat):
@@ -115,10 +110,6 @@ class PlainFormat(KVFormat):
     def read(self, cache: torch.Tensor, block_ids: torch.Tensor, key: bool) -> torch.Tensor:
         # index_select copies whole blocks; advanced indexing (cache[ids]) is several times slower on CPU
         return cache.index_select(0, block_ids).flatten(0, 1).to(self.compute_dtype)
-
-    def move_slots(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        flat = kv_cache.view(kv_cache.shape[0], 2, -1, *kv_cache.shape[4:])
-        flat[:, :, dst] = flat[:, :, src]
 
 
 class ScaledRowFormat(KVFormat):
@@ -157,10 +148,6 @@ class ScaledRowFormat(KVFormat):
         values = codes.view(torch.int8).float() if self.fp8 is None else codes.contiguous().view(self.fp8).float()
         return (values * scale).to(self.compute_dtype)
 
-    def move_slots(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        flat = kv_cache.view(kv_cache.shape[0], 2, -1, *kv_cache.shape[4:])
-        flat[:, :, dst] = flat[:, :, src]  # rows carry their own scales: an exact copy
-
 
 class Int4Format(KVFormat):
     """Two 4-bit codes per byte. Keys: asymmetric (min + code * step, codes 0..15) per channel over the
@@ -173,11 +160,22 @@ class Int4Format(KVFormat):
         super().__init__(head_dim, block_size, compute_dtype)
         if head_dim % 2:
             raise ValueError(f"kv_dtype int4 needs an even head_dim, got {head_dim}")
-        self.v_group = INT4_V_GROUP if head_dim % INT4_V_GROUP == 0 else head_dim
+        self.v_group = int4_value_group(head_dim)
         self.extra = int4_row_extra_bytes(head_dim, block_size)
 
     def spec(self) -> CacheSpec:
         return CacheSpec(self.head_dim // 2 + self.extra, torch.uint8)
+
+    def move_slots(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Keys share their block's scales, so moved tokens are dequantized and written again."""
+        bs = self.block_size
+        src_blocks, inverse = torch.unique(src // bs, return_inverse=True)
+        rows = inverse * bs + src % bs
+        for layer in range(kv_cache.shape[0]):
+            for kv in (0, 1):
+                cache = kv_cache[layer, kv]
+                x = self.read(cache, src_blocks, key=kv == 0)[rows]  # [len(src), Hkv, D]
+                self.write(cache, x, dst, key=kv == 0)
 
     def write(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, key: bool) -> None:
         if key:

@@ -73,6 +73,11 @@ class ModelRunner:
         per_head = make_kv_format(kv_dtype, c.head_dim, block_size, model.dtype).bytes_per_token_head()
         return 2 * c.num_layers * model.num_kv_heads * per_head * block_size
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token in this runner's pool (every layer, K and V, scales included)."""
+        return 2 * self.model.config.num_layers * self.model.num_kv_heads * self.kv_format.bytes_per_token_head()
+
     def tp_stats(self) -> dict:
         """This rank's share of a tensor-parallel group's KV (every rank holds the same amount)."""
         shard = self.model.shard

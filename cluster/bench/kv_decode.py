@@ -49,7 +49,6 @@ def bench_kv_decode(model: str, kv_dtypes: tuple[str, ...], context: int, batch:
                     rounds: int) -> list[KVDecodeResult]:
     from kvstrata.cluster.bench.roofline import decode_tokens_needed, time_decode_steps
     from kvstrata.worker.llm import LLM
-    from kvstrata.worker.model_runner import ModelRunner
 
     max_len = context + decode_tokens_needed(batch, steps) + 1
     blocks = batch * (-(-max_len // 16)) + 16
@@ -60,8 +59,7 @@ def bench_kv_decode(model: str, kv_dtypes: tuple[str, ...], context: int, batch:
             times[d] += [s for s, _ in time_decode_steps(llm, batch, context, steps, seed=r)]
     results = []
     for d, llm in llms.items():
-        runner = llm.engine.runner
-        per_token = ModelRunner.kv_bytes_per_block(runner.model, runner.block_size, d) // runner.block_size
+        per_token = llm.engine.runner.kv_bytes_per_token
         results.append(KVDecodeResult(d, batch, context, per_token, 1e3 * statistics.median(times[d]), len(times[d])))
     return results
 
