@@ -35,6 +35,8 @@ def sampling_params(opts: pb.SamplingOptions) -> SamplingParams:
     if opts.stop_token_ids:
         kw["stop_token_ids"] = list(opts.stop_token_ids)
     kw["ignore_eos"] = opts.ignore_eos
+    if opts.HasField("kv_eviction"):
+        kw["kv_eviction"] = opts.kv_eviction  # a spec; SamplingParams parses it
     return SamplingParams(**kw)
 
 

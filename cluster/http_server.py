@@ -157,7 +157,8 @@ class OpenAIServer:
         if req.logit_bias:
             raise ValueError("logit_bias: not supported")
         kw: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": req.ignore_eos}
-        for name in ("temperature", "top_p", "n", "seed", "top_k", "min_p", "stop", "stop_token_ids"):
+        for name in ("temperature", "top_p", "n", "seed", "top_k", "min_p", "stop", "stop_token_ids",
+                     "kv_eviction"):
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value

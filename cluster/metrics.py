@@ -63,6 +63,8 @@ class _EngineCollector(Collector):
         yield gauge("kvstrata:kv_blocks_free", "KV blocks free (not used and not cached).", s["num_free_blocks"])
         yield gauge("kvstrata:kv_blocks_cached", "KV blocks holding a cached prefix.", s["num_cached_blocks"])
         yield counter("kvstrata:kv_block_evictions", "Cached blocks evicted to make room.", s["num_evictions"])
+        yield counter("kvstrata:kv_evicted_tokens", "KV entries dropped by token eviction policies (lossy).",
+                      s["num_evicted_tokens"])
         if "tiers" in s:
             yield from _tier_metrics(self.model_name, s["tiers"])
         if "workers" in s:

@@ -39,6 +39,8 @@ class CommonRequest(_Strict):
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # kvstrata's own: a token eviction policy spec, e.g. "streaming(sinks=4, window=252)" (lossy)
+    kv_eviction: str | None = None
 
 
 class CompletionRequest(CommonRequest):

@@ -26,6 +26,8 @@ def encode_request(request_id: str, prompt_token_ids: list[int], params: Samplin
         sampling.seed = p.seed
     if p.logprobs is not None:
         sampling.logprobs = p.logprobs
+    if p.kv_eviction is not None:
+        sampling.kv_eviction = p.kv_eviction.spec()
     msg = cpb.WorkerRequest(encoding_version=ENCODING_VERSION, request_id=request_id,
                             prompt_token_ids=prompt_token_ids, sampling=sampling, cache_salt=cache_salt,
                             cache_pins=[cpb.CachePin(num_tokens=n, ttl_seconds=t) for n, t in cache_pins or ()],
@@ -58,7 +60,7 @@ def decode_request(data: bytes) -> WorkerCall:
                             min_p=s.min_p, seed=s.seed if s.HasField("seed") else None, stop=list(s.stop) or None,
                             stop_token_ids=list(s.stop_token_ids) or None, n=s.n,
                             logprobs=s.logprobs if s.HasField("logprobs") else None, ignore_eos=s.ignore_eos,
-                            priority=s.priority)
+                            priority=s.priority, kv_eviction=s.kv_eviction if s.HasField("kv_eviction") else None)
     text = msg.prompt_text if msg.HasField("prompt_text") else None
     pins = [(p.num_tokens, p.ttl_seconds) for p in msg.cache_pins]
     return WorkerCall(msg.request_id, list(msg.prompt_token_ids), params, text, msg.cache_salt, pins, msg.tenant)

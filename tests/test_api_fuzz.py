@@ -63,6 +63,13 @@ token_id = st.integers(0, VOCAB - 1) | st.sampled_from([VOCAB, U32 - 1])  # what
 json_token_id = token_id | st.sampled_from([U32, -1, 10**30])  # JSON carries any integer
 
 
+# token eviction specs: some that parse, some that must be refused, and any text (either is fine)
+GOOD_EVICTIONS = ["sliding_window(4)", "streaming(sinks=1, window=2)", "h2o(2, 2)", "snapkv(window=2, budget=4)"]
+BAD_EVICTIONS = ["", "lru(8)", "h2o", "h2o(heavy=2)", "sliding_window(0)", "snapkv(window=4, budget=2)",
+                 "streaming(4,, 8)", "sliding_window(x)", "h2o(heavy=1, 2)"]
+eviction = st.sampled_from(GOOD_EVICTIONS + BAD_EVICTIONS) | text
+
+
 def wide(*values: st.SearchStrategy) -> st.SearchStrategy:
     """Any value for a field: the valid and edge values given, null, or junk of any JSON type."""
     return st.one_of(*values, st.none(), junk)
@@ -85,6 +92,7 @@ _COMMON_FIELDS = {
     "logit_bias": wide(st.dictionaries(text, st.floats(), max_size=2)),
     "user": wide(text),
     "ignore_eos": wide(st.booleans()),
+    "kv_eviction": wide(eviction),
 }
 COMPLETION_FIELDS = {
     **_COMMON_FIELDS,
@@ -173,6 +181,7 @@ _IN_RANGE = {
     "stop": _is_stop,
     "stop_token_ids": lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v),
     "suffix": lambda v: v == "",
+    "kv_eviction": lambda v: isinstance(v, str) and v not in BAD_EVICTIONS,
 }
 
 
@@ -445,6 +454,7 @@ SAMPLING_FIELDS = {
     "n": st.integers(0, 3) | st.sampled_from([MAX_N, MAX_N + 1, U32 - 1]),
     "logprobs": st.integers(0, MAX_LOGPROBS + 1) | _u32,
     "ignore_eos": st.booleans(),
+    "kv_eviction": eviction,
 }
 _grpc_message = st.builds(pb.ChatMessage, role=st.sampled_from([*ROLES, "", "robot"]) | text, content=text)
 _valid_grpc_prompt = st.fixed_dictionaries({"text": st.text(min_size=1, max_size=12)}) | st.fixed_dictionaries(
@@ -482,6 +492,7 @@ _GRPC_IN_RANGE = {
     "n": lambda v: 1 <= v <= MAX_N,
     "logprobs": lambda v: v <= MAX_LOGPROBS,
     "stop": all,
+    "kv_eviction": lambda v: v not in BAD_EVICTIONS,
 }
 
 

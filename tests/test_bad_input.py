@@ -29,7 +29,8 @@ def test_bad_prompts(llm, prompts, match):
 
 @pytest.mark.parametrize("field, value", [("max_tokens", 0), ("max_tokens", -1), ("temperature", -0.5),
                                            ("top_p", 0.0), ("n", 0), ("logprobs", 99),
-                                           ("temperature", float("inf")), ("min_p", float("nan"))])
+                                           ("temperature", float("inf")), ("min_p", float("nan")),
+                                           ("kv_eviction", "lru(8)"), ("kv_eviction", 32)])
 def test_bad_sampling_params(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

@@ -23,13 +23,16 @@ httpx = pytest.importorskip("httpx")
 # -- the wire ---------------------------------------------------------------------------------------
 def test_requests_and_items_round_trip_as_protobuf():
     params = SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=3, stop=["x"],
-                            stop_token_ids=[2], n=2, logprobs=1, ignore_eos=True, priority=1)
+                            stop_token_ids=[2], n=2, logprobs=1, ignore_eos=True, priority=1,
+                            kv_eviction="streaming(4, 60)")
     data = encode_request("r1", [5, 6, 7], params, "hi", "salt", [(16, 300.0)], "t1")
     assert isinstance(data, bytes)
     call = decode_request(data)
     assert (call.request_id, call.prompt_token_ids, call.prompt, call.cache_salt, call.cache_pins, call.tenant) == (
         "r1", [5, 6, 7], "hi", "salt", [(16, 300.0)], "t1")
     assert call.params == params  # every field, temperature at full precision
+    # no policy of its own stays none, so the worker's default applies
+    assert decode_request(encode_request("r2", [5], SamplingParams(), None, "", None, "")).params.kv_eviction is None
     item = StreamItem([Delta(1, [9, 10], "ab", "length", [{9: -0.5}, {10: -0.25}])], Usage(3, 2, 1, 0))
     back = decode_item(encode_item(item, "kvstrata-worker-1"))
     assert back.deltas == item.deltas and back.usage == item.usage and back.worker == "kvstrata-worker-1"
@@ -228,6 +231,22 @@ def test_a_tp2_worker_and_its_rank_share_one_placement_group_that_shutdown_remov
         worker, _ = _ask(server, tiny_model, [101, 102, 103, 104])
         assert worker == "kvstrata-worker-0"
         assert before - free_cpus() == 2  # not 3: rank 0 runs inside the group, not beside it
+        # token eviction does not work across ranks yet: the worker refuses a policy as bad input, which
+        # also shows that the field crossed the wire to it
+        r = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+            "model": tiny_model, "prompt": [101, 102], "max_tokens": 2, "kv_eviction": "sliding_window(32)"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_eviction", r.text
+        assert "tensor_parallel_size" in r.json()["error"]["message"]
+        import grpc
+
+        from kvstrata.protos.v1 import generation_pb2 as pb
+
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[101, 102]),
+                                 sampling=pb.SamplingOptions(max_tokens=2, kv_eviction="h2o(8, 8)"))
+        with pytest.raises(grpc.RpcError) as e:
+            list(server.gen.Generate(req))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("kv_eviction")
+        assert _ask(server, tiny_model, [101, 102, 103])[0] == "kvstrata-worker-0"  # still serving
     finally:
         server.stop()
     assert ray_local.util.placement_group_table(group)["state"] == "REMOVED"

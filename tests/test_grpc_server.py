@@ -93,12 +93,37 @@ def test_n_samples_and_chat_prompt(live):
     ({"text": "hi", "sampling": pb.SamplingOptions(n=1000)}, "n"),
     ({"token_ids": pb.TokenIds(ids=[10**7])}, "prompt"),
     ({"chat": pb.ChatMessages()}, "prompt.chat.messages"),
+    ({"text": "hi", "sampling": pb.SamplingOptions(kv_eviction="lru(8)")}, "kv_eviction"),
+    ({"text": "hi", "sampling": pb.SamplingOptions(kv_eviction="snapkv(window=16, budget=8)")}, "kv_eviction"),
+    ({"text": "hi", "sampling": pb.SamplingOptions(kv_eviction="")}, "kv_eviction"),
 ])
 def test_bad_input_is_invalid_argument_naming_the_field(live, request_kw, field):
     with pytest.raises(grpc.RpcError) as e:
         list(live.gen.Generate(pb.GenerateRequest(**request_kw)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in e.value.details()
+
+
+def test_kv_eviction_per_request_applies_the_policy_like_the_in_process_engine(live, llm):
+    prompt = "StreamingLLM keeps a few attention sinks and a window of recent tokens in its cache. " * 5
+    spec = "streaming(sinks=4, window=28)"
+
+    def evicted() -> int:
+        return live.admin.GetCacheStats(pb.GetCacheStatsRequest()).num_evicted_tokens
+
+    before = evicted()
+    responses = list(live.gen.Generate(pb.GenerateRequest(text=prompt, sampling=pb.SamplingOptions(
+        max_tokens=40, temperature=0.0, ignore_eos=True, kv_eviction=spec))))
+    by_grpc = evicted() - before
+    usage = responses[-1].usage
+    assert usage.completion_tokens == 40 and 90 <= usage.prompt_tokens <= 120 and usage.cached_tokens == 0
+    assert by_grpc >= usage.prompt_tokens + 39 - 32 - 16  # kept 4 sinks + 28 recent, and part of a block
+    before = evicted()
+    ref = _engine_generate(live, llm, prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                             kv_eviction=spec))
+    assert [t for r in responses for t in r.token_ids] == ref.token_ids
+    assert evicted() - before == by_grpc
+    assert wait_for_used_blocks(llm, 0) == 0
 
 
 def test_prompt_over_max_model_len_is_invalid_argument(live, llm):

@@ -163,6 +163,10 @@ def test_keys_are_required_on_both_apis(live):
     ({"model": MODEL, "prompt": "word " * 9000}, "prompt"),
     ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "x"}, "model"),
+    ({"model": MODEL, "prompt": "x", "kv_eviction": "lru(8)"}, "kv_eviction"),
+    ({"model": MODEL, "prompt": "x", "kv_eviction": "h2o(heavy=8)"}, "kv_eviction"),
+    ({"model": MODEL, "prompt": "x", "kv_eviction": ""}, "kv_eviction"),
+    ({"model": MODEL, "prompt": "x", "kv_eviction": 32}, "kv_eviction"),
 ])
 def test_bad_completion_requests_are_400_naming_the_field(live, body, param):
     r = httpx.post(live.base_url + "/v1/completions", json=body, headers={"authorization": f"Bearer {KEY_ALPHA}"},
@@ -184,6 +188,64 @@ def test_malformed_json_unknown_model_and_bad_chat(live):
         r = httpx.post(live.base_url + "/v1/chat/completions", json=body, headers=h)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     # the server still serves
+    assert _client(live).completions.create(model=MODEL, prompt="Hi", max_tokens=1).usage.completion_tokens == 1
+
+
+EVICTION_PROMPT = "A sliding window keeps only the most recent tokens of a long request in the KV cache. " * 5
+
+
+def _evicted_tokens(live) -> int:
+    """The server's count of KV entries dropped by token eviction, as Prometheus shows it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(live.base_url + "/metrics").text)}
+    return int(families["kvstrata:kv_evicted_tokens"].samples[0].value)
+
+
+def test_kv_eviction_per_request_applies_the_policy_like_the_engine(live):
+    c = _client(live)
+    policy = {"kv_eviction": "sliding_window(32)", "ignore_eos": True}  # kvstrata's extensions
+    before = _evicted_tokens(live)
+    r = c.completions.create(model=MODEL, prompt=EVICTION_PROMPT, max_tokens=40, temperature=0, extra_body=policy)
+    evicted = _evicted_tokens(live) - before
+    assert r.usage.completion_tokens == 40 and 90 <= r.usage.prompt_tokens <= 120
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 40
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    # the request kept a window of 32 (plus part of a block) out of prompt + 39 computed tokens
+    assert evicted >= r.usage.prompt_tokens + 39 - 32 - 16
+    # the in-process engine under the same SamplingParams: the same tokens, the same evictions
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, kv_eviction="sliding_window(32)")
+    before = _evicted_tokens(live)
+    ref = live.run(live.service.call(lambda _: live.llm.generate([EVICTION_PROMPT], params)[0].outputs[0]))
+    assert r.choices[0].text == ref.text
+    assert _evicted_tokens(live) - before == evicted
+    # chat, streamed; without the field nothing is evicted
+    messages = [{"role": "user", "content": EVICTION_PROMPT}]
+    before = _evicted_tokens(live)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={**policy, "kv_eviction": "streaming(sinks=4, window=28)"}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
+    assert _evicted_tokens(live) - before >= chunks[-1].usage.prompt_tokens + 39 - 32 - 16
+    before = _evicted_tokens(live)
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert r.usage.completion_tokens == 8 and _evicted_tokens(live) == before
+    assert wait_for_used_blocks(live.llm, 0) == 0
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "kv_eviction": "snapkv(window=16, budget=8)"}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "kv_eviction": "streaming(4,, 8)"}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "kv_eviction": ["h2o(8, 8)"]}),
+])
+def test_bad_kv_eviction_is_400_naming_it_and_the_server_keeps_serving(live, path, body):
+    r = httpx.post(live.base_url + path, json=body, headers={"authorization": f"Bearer {KEY_ALPHA}"}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "kv_eviction" and err["type"] == "invalid_request_error" and err["code"] == 400
+    assert err["message"].startswith("kv_eviction")
+    with pytest.raises(openai.BadRequestError):  # as the official client sees it
+        _client(live).completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"kv_eviction": "lru(8)"})
     assert _client(live).completions.create(model=MODEL, prompt="Hi", max_tokens=1).usage.completion_tokens == 1
 
 

@@ -334,6 +334,7 @@ class LLMEngine:
             "prefix_cache_queries": queried,
             "prefix_cache_hits": self.kv.num_prompt_tokens_hit,
             "num_evictions": pool.num_evictions,
+            "num_evicted_tokens": self.evictor.num_evicted_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_swaps": self.scheduler.num_swaps,
             "num_running": self.scheduler.num_running,

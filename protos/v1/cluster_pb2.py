@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvstrata.protos.v1 import generation_pb2 as kvstrata_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvstrata/v1/cluster.proto\x12\x0bkvstrata.v1\x1a\x1ckvstrata/v1/generation.proto\"\xfd\x01\n\x0eWorkerSampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\t\n\x01n\x18\t \x01(\r\x12\x15\n\x08logprobs\x18\n \x01(\rH\x01\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08priority\x18\x0c \x01(\x05\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"3\n\x08\x43\x61\x63hePin\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\"\xff\x01\n\rWorkerRequest\x12\x18\n\x10\x65ncoding_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x18\n\x0bprompt_text\x18\x04 \x01(\tH\x00\x88\x01\x01\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.kvstrata.v1.WorkerSampling\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12)\n\ncache_pins\x18\x07 \x03(\x0b\x32\x15.kvstrata.v1.CachePin\x12\x0e\n\x06tenant\x18\x08 \x01(\tB\x0e\n\x0c_prompt_text\"\xa9\x01\n\x10WorkerStreamItem\x12-\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x1d.kvstrata.v1.GenerateResponse\x12&\n\x05usage\x18\x02 \x01(\x0b\x32\x12.kvstrata.v1.UsageH\x00\x88\x01\x01\x12\x12\n\nerror_kind\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x11\n\tworker_id\x18\x05 \x01(\tB\x08\n\x06_usageb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvstrata/v1/cluster.proto\x12\x0bkvstrata.v1\x1a\x1ckvstrata/v1/generation.proto\"\xa7\x02\n\x0eWorkerSampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\t\n\x01n\x18\t \x01(\r\x12\x15\n\x08logprobs\x18\n \x01(\rH\x01\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08priority\x18\x0c \x01(\x05\x12\x18\n\x0bkv_eviction\x18\r \x01(\tH\x02\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x0e\n\x0c_kv_eviction\"3\n\x08\x43\x61\x63hePin\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\"\xff\x01\n\rWorkerRequest\x12\x18\n\x10\x65ncoding_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x18\n\x0bprompt_text\x18\x04 \x01(\tH\x00\x88\x01\x01\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.kvstrata.v1.WorkerSampling\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12)\n\ncache_pins\x18\x07 \x03(\x0b\x32\x15.kvstrata.v1.CachePin\x12\x0e\n\x06tenant\x18\x08 \x01(\tB\x0e\n\x0c_prompt_text\"\xa9\x01\n\x10WorkerStreamItem\x12-\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x1d.kvstrata.v1.GenerateResponse\x12&\n\x05usage\x18\x02 \x01(\x0b\x32\x12.kvstrata.v1.UsageH\x00\x88\x01\x01\x12\x12\n\nerror_kind\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x11\n\tworker_id\x18\x05 \x01(\tB\x08\n\x06_usageb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstrata.v1.cluster_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERSAMPLING']._serialized_start=73
-  _globals['_WORKERSAMPLING']._serialized_end=326
-  _globals['_CACHEPIN']._serialized_start=328
-  _globals['_CACHEPIN']._serialized_end=379
-  _globals['_WORKERREQUEST']._serialized_start=382
-  _globals['_WORKERREQUEST']._serialized_end=637
-  _globals['_WORKERSTREAMITEM']._serialized_start=640
-  _globals['_WORKERSTREAMITEM']._serialized_end=809
+  _globals['_WORKERSAMPLING']._serialized_end=368
+  _globals['_CACHEPIN']._serialized_start=370
+  _globals['_CACHEPIN']._serialized_end=421
+  _globals['_WORKERREQUEST']._serialized_start=424
+  _globals['_WORKERREQUEST']._serialized_end=679
+  _globals['_WORKERSTREAMITEM']._serialized_start=682
+  _globals['_WORKERSTREAMITEM']._serialized_end=851
 # @@protoc_insertion_point(module_scope)

@@ -23,7 +23,7 @@ class CacheControl(_message.Message):
     def __init__(self, ttl_seconds: _Optional[int] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n", "logprobs", "ignore_eos")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n", "logprobs", "ignore_eos", "kv_eviction")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class SamplingOptions(_message.Message):
     N_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVICTION_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -46,7 +47,8 @@ class SamplingOptions(_message.Message):
     n: int
     logprobs: int
     ignore_eos: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    kv_eviction: str
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., kv_eviction: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -169,7 +171,7 @@ class GetCacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("num_total_blocks", "num_free_blocks", "num_cached_blocks", "num_used_blocks", "block_size", "kv_usage", "kv_utilization", "prefix_hit_rate", "prefix_cache_queries", "prefix_cache_hits", "num_evictions", "num_preemptions", "num_running", "num_waiting")
+    __slots__ = ("num_total_blocks", "num_free_blocks", "num_cached_blocks", "num_used_blocks", "block_size", "kv_usage", "kv_utilization", "prefix_hit_rate", "prefix_cache_queries", "prefix_cache_hits", "num_evictions", "num_preemptions", "num_running", "num_waiting", "num_evicted_tokens")
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +186,7 @@ class CacheStats(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_total_blocks: int
     num_free_blocks: int
     num_cached_blocks: int
@@ -198,7 +201,8 @@ class CacheStats(_message.Message):
     num_preemptions: int
     num_running: int
     num_waiting: int
-    def __init__(self, num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_utilization: _Optional[float] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...
+    num_evicted_tokens: int
+    def __init__(self, num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_utilization: _Optional[float] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_evicted_tokens: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()
