@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kvstrata.cluster.engine_service import first_line
-from kvstrata.worker.tensor_parallel import STOP, TPComm, plan_shard
+from kvstrata.worker.tensor_parallel import STOP, SYNC, TPComm, plan_shard, rank_directory, shard_layout_tag
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class RankWorker:
 
     def setup(self, backend: str, init_method: str, timeout_s: float, model: str, dtype: str, device: str,
               num_blocks: int, block_size: int, num_threads: int, num_host_blocks: int = 0,
-              kv_dtype: str = "auto") -> dict[str, Any]:
+              kv_dtype: str = "auto", nvme: dict[str, Any] | None = None) -> dict[str, Any]:
         from kvstrata.worker.loader import load_model
         from kvstrata.worker.model_runner import ModelRunner
 
@@ -68,12 +68,19 @@ class RankWorker:
         shard = plan_shard(load_config(model), self.size, self.rank)
         loaded = load_model(model, dtype=dtype, device=device, shard=shard, all_reduce=self.comm.all_reduce)
         self.runner = ModelRunner(loaded.model, num_blocks, block_size, kv_dtype)
+        self.runner.comm = self.comm  # for the NVMe loads' read statuses (ModelRunner._agree_on_loads)
         kv = self.runner.kv_cache
-        if num_host_blocks:  # rank 0's DRAM tier decides; this rank keeps its share of the same slots
-            from kvstrata.tiering.manager import block_shape
+        if num_host_blocks:  # rank 0's tiers decide; this rank keeps its share of the same blocks
+            from kvstrata.tiering.rank_mirror import RankTiers
 
-            self.runner.host_storage = torch.zeros((num_host_blocks, *block_shape(kv)), dtype=kv.dtype,
-                                                   pin_memory=kv.is_cuda)
+            tier = None
+            if nvme is not None:
+                from kvstrata.tiering.manager import block_shape
+                from kvstrata.tiering.nvme import NvmeTier
+
+                tier = NvmeTier(rank_directory(nvme["directory"], self.rank), nvme["capacity_bytes"],
+                                block_shape(kv), kv.dtype, layout_tag=shard_layout_tag(nvme["layout_tag"], shard))
+            self.runner.rank_tiers = RankTiers(kv, num_host_blocks, tier, self.runner.cpu_kernels)
         return {"rank": self.rank, "pid": os.getpid(), "kv_heads": list(shard.kv_heads),
                 "kv_cache_bytes": kv.numel() * kv.element_size()}
 
@@ -82,12 +89,19 @@ class RankWorker:
         import torch.distributed as dist
 
         steps = 0
-        while True:
-            kind, fields = self.comm.receive()
-            if kind == STOP:
-                break
-            self.runner.follow(fields)
-            steps += 1
+        try:
+            while True:
+                kind, fields = self.comm.receive()
+                if kind == STOP:
+                    break
+                if kind == SYNC:
+                    self.runner.follow_sync(fields)
+                    continue
+                self.runner.follow(fields)
+                steps += 1
+        finally:
+            if self.runner.rank_tiers is not None:
+                self.runner.rank_tiers.close()
         dist.destroy_process_group()
         return steps
 
@@ -104,6 +118,9 @@ class GroupSpec:
     timeout_s: float = DEFAULT_TIMEOUT_S
     num_host_blocks: int = 0  # each rank's DRAM tier, in blocks (its share of each)
     kv_dtype: str = "auto"
+    # each rank's NVMe tier: {"directory", "capacity_bytes", "layout_tag"} (rank_directory and
+    # shard_layout_tag make them the rank's own); None without one
+    nvme: dict[str, Any] | None = None
 
 
 def rank_bundles(tp: int, gpu: bool) -> list[dict[str, float]]:
@@ -162,7 +179,7 @@ class WorkerGroup:
         num_threads = max(1, (os.cpu_count() or 1) // spec.tp)
         self._setups = [a.setup.remote(self.backend, self.init_method, spec.timeout_s, spec.model, spec.dtype,
                                        spec.device_type, spec.num_blocks, spec.block_size, num_threads,
-                                       spec.num_host_blocks, spec.kv_dtype)
+                                       spec.num_host_blocks, spec.kv_dtype, spec.nvme)
                         for a in self.actors]
         try:
             TPComm.init(self.backend, self.init_method, 0, spec.tp, spec.timeout_s)
@@ -228,7 +245,8 @@ class WorkerGroup:
         try:
             ray.get(ref)
             return f"tensor-parallel rank {rank} ({self.names[rank - 1]}) stopped unexpectedly"
-        except Exception as e:  # RayActorError when the process died
+        except Exception as e:  # RayActorError when the process died; the rank's own traceback in full
+            log.error("tensor-parallel rank %d (%s) failed: %s", rank, self.names[rank - 1], e)
             return f"tensor-parallel rank {rank} ({self.names[rank - 1]}) died: {type(e).__name__}: {first_line(e)}"
 
     def _dead_actor(self) -> int | None:

@@ -488,8 +488,6 @@ WRONG_VALUES = [
      "pools[0].resources.limits"),
     (["--set", "kvCache.nvme.enabled=true,kvCache.nvme.tierBytes=10GiB"], "kvCache.dramBytes"),
     (["--set", "kvCache.nvme.enabled=true,kvCache.dramBytes=8GiB"], "/kvCache/nvme/tierBytes"),
-    (["--set", "tp=2,kvCache.nvme.enabled=true,kvCache.dramBytes=8GiB,kvCache.nvme.tierBytes=10GiB"],
-     "kvCache.nvme.enabled needs tp: 1"),
     (["--set", "kvCache.dramBytes=lots"], "/kvCache/dramBytes"),
     (["--set", "redis.mode=external"], "redis.external.url"),
     (["--set", "redis.mode=external,redis.external.url=redis://user:pw@redis:6379/0"], "/redis/external/url"),

@@ -13,7 +13,8 @@ import torch
 from kvstrata.worker.attention import AttentionMetadata, PrefillChunk
 from kvstrata.worker.config import ModelConfig
 from kvstrata.worker.sampling_params import SamplingParams
-from kvstrata.worker.tensor_parallel import pack_step, plan_shard, unpack_step
+from kvstrata.tiering.rank_mirror import CLEAR, COMMIT, LOAD, SPILL, TO_DEVICE, TO_HOST, decode_hashes, encode_hashes
+from kvstrata.worker.tensor_parallel import pack_step, pack_tier_ops, plan_shard, unpack_step, unpack_tier_ops
 from tests.checkpoints import LOGPROB_TOL, MAX_NEW, build_checkpoint, hf_greedy_logprobs, random_prompts
 from tests.conftest import HAVE_SMOLLM2, needs_model
 
@@ -80,13 +81,19 @@ def test_step_message_round_trip():
         slot_mapping=torch.tensor([5, 17, 18, 19]), num_decodes=1,
         decode_block_tables=torch.tensor([[0, 2]]), decode_seq_lens=torch.tensor([22]), decode_mask=None,
         prefills=[PrefillChunk(1, 3, 20, torch.tensor([1, 3]))])
-    tier_ops = [(1, [3, 5], [0, 1]), (2, [1], [7])]  # to DRAM, then back, in that order
-    fields = pack_step(torch.tensor([7, 8, 9, 10]), torch.tensor([21, 17, 18, 19]), meta, [4], [6], tier_ops)
+    spill = encode_hashes([b"\x01" * 32, b""])
+    # to DRAM, a spill to NVMe, back, a load, its commit: a and b of any lengths, in that order
+    tier_ops = [(TO_HOST, [3, 5], [0, 1]), (SPILL, [4], spill), (TO_DEVICE, [1], [7]),
+                (LOAD, [9], encode_hashes([b"\x02" * 32, b"\x03" * 20])), (COMMIT, [9, 0], [2]), (CLEAR, [], [])]
+    fields = pack_step(torch.tensor([7, 8, 9, 10]), torch.tensor([21, 17, 18, 19]), meta, [4], [6], tier_ops, [9, 11])
     assert all(f.dtype == torch.long for f in fields)  # tensors only: nothing pickled on the wire
     step = unpack_step(fields, block_size=16, device=torch.device("cpu"))
     got = step.meta
     assert step.input_ids.tolist() == [7, 8, 9, 10] and step.positions.tolist() == [21, 17, 18, 19]
-    assert step.block_copies == [(4, 6)] and step.tier_ops == tier_ops
+    assert step.block_copies == [(4, 6)] and step.tier_ops == tier_ops and step.sync_loads == [9, 11]
+    assert decode_hashes(step.tier_ops[3][2]) == [b"\x02" * 32, b"\x03" * 20]
+    assert decode_hashes(step.tier_ops[1][2]) == [b"\x01" * 32, b""]
+    assert unpack_tier_ops(pack_tier_ops([], [])) == ([], [])
     assert got.num_decodes == 1 and got.decode_block_tables.tolist() == [[0, 2]]
     assert got.decode_seq_lens.tolist() == [22] and got.slot_mapping.tolist() == [5, 17, 18, 19]
     assert got.decode_mask.shape == (1, 1, 1, 32) and int(got.decode_mask.sum()) == 22
@@ -101,8 +108,6 @@ def test_llm_rejects_bad_tensor_parallel_sizes_before_starting_anything():
         LLM("smollm2-135m", tensor_parallel_size=2)  # 9 heads
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM("smollm2-135m", tensor_parallel_size="3")
-    with pytest.raises(ValueError, match="nvme_kv_dir"):
-        LLM("smollm2-135m", tensor_parallel_size=3, cpu_kv_bytes=1 << 20, nvme_kv_dir="/tmp/x", nvme_kv_bytes=1 << 20)
 
 
 # -- worker groups on Ray ---------------------------------------------------------------------------
@@ -251,6 +256,68 @@ def test_dram_tier_promotion_and_swap_at_tp2(ray_local, gqa4):
         tiered.check_integrity()
     finally:
         tiered.close()
+
+
+def _nvme_at_tp2(path, bb, directory):
+    from kvstrata import LLM
+
+    # 12 device blocks and 8 DRAM blocks (a rank's share each) hold under 6 prompts' 24 blocks; a request
+    # takes up to 8 // 2 = 4 blocks from the tiers, all of a prompt's 3
+    return LLM(str(path), num_gpu_blocks=12, dtype="float32", tensor_parallel_size=2, cpu_kv_bytes=8 * bb,
+               nvme_kv_dir=str(directory), nvme_kv_bytes=200 * bb)
+
+
+def test_nvme_tier_at_tp2_keeps_a_share_per_rank_and_misses_what_one_rank_lost(ray_local, gqa4, tmp_path):
+    from kvstrata import LLM
+    from kvstrata.worker.model_runner import ModelRunner
+    from tests.nvme_files import flip_every_payload
+
+    path, _ = gqa4
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(3, 40000, (49,), generator=g).tolist() for _ in range(6)]  # 3 full blocks each
+    fillers = [torch.randint(3, 40000, (49,), generator=g).tolist() for _ in range(6)]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    roomy = LLM(str(path), num_gpu_blocks=256, dtype="float32")
+    reference = [o.outputs[0].token_ids for o in roomy.generate(prompts, sp)]
+    bb = ModelRunner.kv_bytes_per_block(roomy.engine.runner.model, 16) // 2
+    tiered = _nvme_at_tp2(path, bb, tmp_path)
+    try:
+        for round_ in range(2):
+            for p, want in zip(prompts, reference):
+                got = tiered.generate([p], sp)[0]
+                assert got.outputs[0].token_ids == want
+                if round_:  # the first prompts' blocks left DRAM for NVMe and come back from there
+                    assert got.num_cached_tokens == 48
+        nvme = tiered.cache_stats()["tiers"]["nvme"]
+        assert nvme["loaded_blocks"] > 0 and nvme["failed_loads"] == 0
+        tiered.check_integrity()
+        tiered.generate(fillers, sp)  # 24 blocks push all of the prompts' blocks below DRAM, to NVMe
+    finally:
+        tiered.close()
+    # every rank wrote its share of each block, to a directory of its own, tagged with its KV heads
+    shares = {r: sorted((tmp_path / f"rank-{r}").glob("slab-*.kvs")) for r in (0, 1)}
+    assert shares[0] and shares[1] and not list(tmp_path.glob("slab-*.kvs"))
+
+    again = _nvme_at_tp2(path, bb, tmp_path)  # a restart finds both ranks' shares
+    try:
+        outs = [again.generate([p], sp)[0] for p in prompts]
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        assert [o.num_cached_tokens for o in outs] == [48] * 6
+        assert again.cache_stats()["tiers"]["nvme"]["loaded_blocks"] >= 18
+    finally:
+        again.close()
+
+    assert flip_every_payload(tmp_path / "rank-1") > 0  # rank 1 loses its shares; rank 0's read fine
+    damaged = _nvme_at_tp2(path, bb, tmp_path)
+    try:
+        outs = [damaged.generate([p], sp)[0] for p in prompts]
+        assert [o.outputs[0].token_ids for o in outs] == reference  # recomputed, never half-loaded
+        nvme = damaged.cache_stats()["tiers"]["nvme"]
+        assert nvme["failed_loads"] >= 18 and nvme["checksum_failures"] == 0  # rank 0's own reads were good
+        assert all(o.num_cached_tokens == 0 for o in outs)
+        damaged.check_integrity()
+    finally:
+        damaged.close()
 
 
 def test_a_killed_rank_fails_the_step_quickly_and_the_group_restarts(ray_local, gqa4):

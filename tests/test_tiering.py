@@ -10,6 +10,7 @@ import torch
 
 from kvstrata.tiering.host import HostTier
 from kvstrata.worker.sampling_params import SamplingParams
+from tests.nvme_files import flip_every_payload
 
 SHAPE = (2, 2, 4, 1, 3)  # (layers, K/V, block size, kv heads, head dim)
 
@@ -244,30 +245,11 @@ def test_nvme_tier_brings_blocks_back_and_survives_a_restart(llm, prompts, expec
 
 
 def test_a_corrupt_nvme_file_is_recomputed_not_served(llm, prompts, expected, tmp_path):
-    from kvstrata.tiering.block_file import BlockHeader, round_up
-
     warm = _nvme_llm(llm, tmp_path)
     for p in prompts:
         warm.generate([p], GREEDY)
     warm.close()
-    num_flipped = 0
-    for slab in sorted(tmp_path.glob("slab-*.kvs")):  # flip a byte in the middle of every stored payload
-        with open(slab, "r+b") as f:
-            size, offset = slab.stat().st_size, 0
-            while offset < size:  # slots start 4096-aligned: find them by their headers
-                f.seek(offset)
-                try:
-                    header = BlockHeader.parse(f.read(2 * 4096))
-                except ValueError:
-                    offset += 4096
-                    continue
-                middle = offset + header.payload_offset + header.payload_len // 2
-                f.seek(middle)
-                byte = f.read(1)[0]
-                f.seek(middle)
-                f.write(bytes([byte ^ 0xFF]))
-                num_flipped += 1
-                offset += header.payload_offset + round_up(header.payload_len)
+    num_flipped = flip_every_payload(tmp_path)
     assert num_flipped > 0
     cold = _nvme_llm(llm, tmp_path)
     try:

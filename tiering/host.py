@@ -33,6 +33,7 @@ class Evicted:
     parent_hash: bytes | None
     data: torch.Tensor | None  # one block, contiguous, on the CPU; None when no tier below wants it
     hits: int = 0
+    slot: int | None = None  # the DRAM slot it left (other tensor-parallel ranks copy their share from it)
 
 
 class HostTier:
@@ -179,7 +180,7 @@ class HostTier:
                 continue
             keep = self.has_lower_tier and not (unfilled and h in unfilled)
             data = self.storage[entry.slot].clone() if keep else None
-            victim = Evicted(h, entry.parent_hash, data, entry.hits)
+            victim = Evicted(h, entry.parent_hash, data, entry.hits, entry.slot)
             self._remove(h)
             self.evictions += 1
             break

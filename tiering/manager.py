@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -30,6 +31,8 @@ import torch
 
 from kvstrata.tiering.admission import AdmissionPolicy
 from kvstrata.tiering.host import HostTier
+from kvstrata.tiering.rank_mirror import (CLEAR, COMMIT, LOAD, SPILL, TO_DEVICE, TO_HOST, TierOp, encode_hashes,
+                                          read_status)
 from kvstrata.worker.kv_cache_manager import SWAP_PREFIX
 from kvstrata.worker.prefix_cache import EvictedBlock
 
@@ -38,6 +41,7 @@ HBM, DRAM, NVME = 1, 2, 3  # kvstrata.v1.Tier, for KV events
 
 @dataclass
 class _Load:
+    load_id: int
     hashes: list[bytes]
     parents: list[bytes | None]
     future: Future
@@ -102,9 +106,14 @@ class TierManager:
         # DRAM evictions queued for NVMe at most; beyond, unpinned ones are dropped (backpressure)
         self.max_pending_writes = 256
         self.recorder = None  # KV events for the shared index (an EventRecorder), when published
-        # with tensor parallelism: the copies rank 0 made, for the other ranks (None: not recorded)
-        self.copy_log: list[tuple[int, list[int], list[int]]] | None = None
+        # with tensor parallelism: the tier ops rank 0 made, for the other ranks to repeat (None: not
+        # recorded); how many blocks of each NVMe load every rank has read (rank_mirror.py); and how
+        # to ask the ranks when no step is running
+        self.copy_log: list[TierOp] | None = None
+        self.group_reads: dict[int, int] | None = None
+        self.sync_group: Callable[[], None] | None = None
         self.loads: list[_Load] = []
+        self._load_ids = itertools.count()
         self.loading: set[bytes] = set()
         self.counters = TierCounters()
 
@@ -114,20 +123,21 @@ class TierManager:
         if not evicted:
             return
         keys = [e.block_hash for e in evicted]
-        spilled = self._put_from_pool(keys, [e.parent_hash for e in evicted], [e.block_id for e in evicted],
-                                      [e.hits for e in evicted])
+        spilled, mark = self._put_from_pool(keys, [e.parent_hash for e in evicted], [e.block_id for e in evicted],
+                                            [e.hits for e in evicted])
         c = self.counters
         c.demoted_blocks += len(evicted)
         if self.recorder is not None:
             kept = [k for k in keys if k in self.host]
             self.recorder.moved(kept, HBM, DRAM)
             self.recorder.removed([k for k in keys if k not in self.host], HBM)
-        self._spill(spilled)
+        self._spill(spilled, mark)
 
     def _put_from_pool(self, keys: list[bytes], parents: list[bytes | None], block_ids: list[int],
-                       hits: list[int] | None = None) -> list:
-        """Store pool blocks in DRAM under keys, copied straight into the tier's slots. The copy and
-        the bookkeeping around it are timed apart (transfer rate, and overhead)."""
+                       hits: list[int] | None = None) -> tuple[list, int]:
+        """Store pool blocks in DRAM under keys, copied straight into the tier's slots; returns what
+        DRAM evicted, and where in the copy log its spills go. The copy and the bookkeeping around it
+        are timed apart (transfer rate, and overhead)."""
         c = self.counters
         copy_seconds = 0.0
 
@@ -142,16 +152,22 @@ class TierManager:
                 self.copy_log.append((TO_HOST, src, slots))
 
         t0 = time.perf_counter()
+        mark = self._log_mark()
         spilled = self.host.put(keys, parents, fill=fill, hits=hits)
         c.demote_seconds += copy_seconds
         c.demote_overhead_seconds += time.perf_counter() - t0 - copy_seconds
-        return spilled
+        return spilled, mark
 
-    def drain_copy_log(self) -> list[tuple[int, list[int], list[int]]]:
-        """The pool <-> DRAM copies made since the last drain, in order: what other tensor-parallel
-        ranks must repeat on their own shards (see `copy_to_host` and `copy_to_device`)."""
+    def drain_copy_log(self) -> list[TierOp]:
+        """The tier ops made since the last drain, in order: what other tensor-parallel ranks must
+        repeat on their own shards (rank_mirror.py)."""
         log, self.copy_log = self.copy_log or [], ([] if self.copy_log is not None else None)
         return log
+
+    def _log_mark(self) -> int:
+        """Where the copy log stands before a DRAM put: the put's evictions are spilled from their
+        slots before the put's own copies overwrite them, so their SPILL ops go here."""
+        return len(self.copy_log) if self.copy_log is not None else 0
 
     # -- pins (prompt-cache breakpoints with a TTL) -------------------------------------------------
     def attach_events(self, recorder) -> None:
@@ -209,9 +225,9 @@ class TierManager:
         if len(keys) > self.host.num_blocks:
             self.counters.swap_fallbacks += 1
             return False
-        spilled = self._put_from_pool(keys, [None] * len(keys), block_ids)
+        spilled, mark = self._put_from_pool(keys, [None] * len(keys), block_ids)
         c = self.counters
-        self._spill(spilled)
+        self._spill(spilled, mark)
         if not self.has_all(keys):  # DRAM is smaller than the request: keep nothing
             self.host.discard(keys)
             c.swap_fallbacks += 1
@@ -237,8 +253,9 @@ class TierManager:
     def discard(self, keys: list[bytes]) -> None:
         self.host.discard(keys)
 
-    def _spill(self, spilled: list) -> None:
-        """Blocks DRAM evicted go to NVMe; swap blocks (private keys) are not worth a disk write."""
+    def _spill(self, spilled: list, mark: int) -> None:
+        """Blocks DRAM evicted go to NVMe; swap blocks (private keys) are not worth a disk write.
+        `mark`: where in the copy log the other ranks' SPILL ops go (see _log_mark)."""
         rec = self.recorder
         if self.nvme is None:
             if rec is not None:
@@ -261,6 +278,10 @@ class TierManager:
                 self.counters.spill_drops += 1  # the disk is behind: drop rather than queue without bound
                 continue
             self.nvme.put(ev.block_hash, ev.parent_hash, ev.data)
+            if self.copy_log is not None:
+                hashes = encode_hashes([ev.block_hash, ev.parent_hash or b""])
+                self.copy_log.insert(mark, (SPILL, [ev.slot], hashes))
+                mark += 1
             self.counters.spilled_to_nvme += 1
             if rec is not None:
                 rec.stored([ev.block_hash], ev.parent_hash, NVME)
@@ -286,47 +307,88 @@ class TierManager:
             return n, False
         wanted = rest[:k]
         parents = [self.nvme.parent_of(h) for h in wanted]
-        self.loads.append(_Load(wanted, parents, self.nvme.get_many(wanted)))
+        load = _Load(next(self._load_ids), wanted, parents, self.nvme.get_many(wanted))
+        self.loads.append(load)
         self.loading.update(wanted)
+        if self.copy_log is not None:
+            self.copy_log.append((LOAD, [load.load_id], encode_hashes(wanted)))
         return n, True
 
     def poll(self) -> None:
-        """Move finished NVMe loads into DRAM (engine thread only)."""
+        """Move finished NVMe loads into DRAM (engine thread only); with tensor parallelism, only
+        loads every rank has read, and only as many blocks as every rank read."""
         if not self.loads:
             return
         still = []
         for load in self.loads:
-            if not load.future.done():
+            good = read_status(load.future)
+            if self.group_reads is not None and good >= 0:
+                good = min(good, self.group_reads.get(load.load_id, -1))
+            if good < 0:
                 still.append(load)
                 continue
             self.loading.difference_update(load.hashes)
-            try:
-                blocks = load.future.result()
-            except Exception:  # an IO error is a miss: the chain is recomputed
-                blocks = [None] * len(load.hashes)
-            good = 0
-            while good < len(blocks) and blocks[good] is not None:
-                good += 1
-            self.counters.failed_loads += len(blocks) - good
-            if good:
-                data = torch.stack(blocks[:good])
-                # a block read back from NVMe is being reused: it counts one hit
-                self._spill(self.host.put(load.hashes[:good], load.parents[:good], data, hits=[1] * good))
-                if self.recorder is not None:
-                    for h, parent in zip(load.hashes[:good], load.parents[:good]):
-                        if h in self.host:
-                            self.recorder.stored([h], parent, DRAM)
-                self.counters.loaded_from_nvme += good
+            self.counters.failed_loads += len(load.hashes) - good
+            self._commit(load, good)
         self.loads = still
 
+    def _commit(self, load: _Load, good: int) -> None:
+        """The first `good` blocks of a finished load into DRAM; the other ranks copy theirs into the
+        same slots."""
+        if self.group_reads is not None:
+            self.group_reads.pop(load.load_id, None)
+            read_here = read_status(load.future)
+            for h in load.hashes[good:read_here]:  # another rank missed them: write them anew next time
+                self.nvme.discard(h)
+        hashes, rows, slots = load.hashes[:good], [], []
+        if good:
+            blocks = load.future.result()
+            was_here = [h in self.host for h in hashes]
+            mark = self._log_mark()
+            # a block read back from NVMe is being reused: it counts one hit
+            spilled = self.host.put(hashes, load.parents[:good], torch.stack(blocks[:good]), hits=[1] * good)
+            self._spill(spilled, mark)
+            rows = [i for i, h in enumerate(hashes) if not was_here[i] and h in self.host]
+            slots = [self.host.entries[hashes[i]].slot for i in rows]
+            if self.recorder is not None:
+                for h, parent in zip(hashes, load.parents[:good]):
+                    if h in self.host:
+                        self.recorder.stored([h], parent, DRAM)
+            self.counters.loaded_from_nvme += good
+        if self.copy_log is not None:
+            self.copy_log.append((COMMIT, [load.load_id, *rows], slots))
+
     def wait_for_loads(self, timeout: float) -> None:
-        """Block up to timeout for one NVMe load (used when nothing else can run)."""
-        if self.loads:
-            try:
-                self.loads[0].future.result(timeout=timeout)
-            except Exception:  # noqa: S110 - reported by poll()
-                pass
+        """Block up to timeout for one NVMe load (used when nothing else can run); with tensor
+        parallelism, then ask the ranks how far they have read."""
+        if not self.loads:
+            return
+        try:
+            self.loads[0].future.result(timeout=timeout)
+        except Exception:  # noqa: S110 - reported by poll()
+            pass
+        if self.sync_group is not None:
+            before = len(self.loads)
+            self.sync_group()
             self.poll()
+            if len(self.loads) == before:
+                time.sleep(min(timeout, 0.002))  # the ranks are still reading: do not spin on them
+            return
+        self.poll()
+
+    # -- tensor-parallel loads -------------------------------------------------------------------
+    def pending_load_ids(self) -> list[int]:
+        """The loads whose group status rank 0 needs: those not yet read by every rank."""
+        return [load.load_id for load in self.loads]
+
+    def load_statuses(self, load_ids: list[int]) -> list[int]:
+        """Rank 0's own read status of each load (rank_mirror.read_status)."""
+        futures = {load.load_id: load.future for load in self.loads}
+        return [read_status(futures.get(i)) for i in load_ids]
+
+    def note_group_reads(self, load_ids: list[int], statuses: list[int]) -> None:
+        """The group's answer (the minimum over ranks) for these loads, for the next poll."""
+        self.group_reads.update(zip(load_ids, statuses))
 
     def bring_back(self, keys: list[bytes], allocate: Callable[[int], list], swap: bool = False) -> list:
         """Move blocks (all in DRAM) into fresh pool blocks from allocate(n), in one copy; returns
@@ -363,6 +425,10 @@ class TierManager:
                 pass
         self.loads.clear()
         self.loading.clear()
+        if self.group_reads is not None:
+            self.group_reads.clear()
+        if self.copy_log is not None:
+            self.copy_log.append((CLEAR, [], []))
         self.pins.clear()  # an operator's flush overrides pins
         self._pin_heap.clear()
         self._publish_pins()
@@ -405,8 +471,6 @@ class TierManager:
             self.nvme.flush()
             self.nvme.check_integrity()
 
-
-TO_HOST, TO_DEVICE = 1, 2  # copy-log kinds
 
 
 def copy_to_host(kv_cache: torch.Tensor, block_ids: list[int], storage: torch.Tensor, slots: list[int],

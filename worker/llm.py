@@ -17,6 +17,7 @@ from kvstrata.worker.model_runner import ModelRunner
 from kvstrata.worker.outputs import RequestOutput
 from kvstrata.worker.sampling_params import SamplingParams
 from kvstrata.worker.scheduler import SchedulerConfig
+from kvstrata.worker.tensor_parallel import rank_directory, shard_layout_tag
 from kvstrata.worker.token_eviction import EvictionPolicy, resolve_eviction
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of host memory for KV when no block count is given
@@ -66,7 +67,7 @@ class LLM:
                 raise ValueError("pin_quota_bytes needs cpu_kv_bytes: pins live in the KV tiers")
         shard = None
         if tensor_parallel_size != 1:
-            shard = _check_tp(model, tensor_parallel_size, nvme_kv_dir)
+            shard = _check_tp(model, tensor_parallel_size)
         loaded = load_model(model, dtype=dtype, device=device, shard=shard)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -79,10 +80,16 @@ class LLM:
         if num_gpu_blocks is None:
             num_gpu_blocks = max(1, _kv_budget(loaded.model.device, kv_cache_bytes) // block_bytes)
         runner = ModelRunner(loaded.model, num_gpu_blocks, block_size, kv_dtype)
+        layout_tag = f"{self.model_id}/{loaded.model.dtype}/{kv_dtype}/bs{block_size}"
         self.group = None
         if shard is not None:
             num_host_blocks = cpu_kv_bytes // block_bytes if cpu_kv_bytes is not None else 0
-            self._tp = (model, tensor_parallel_size, num_gpu_blocks, block_size, worker_id, num_host_blocks, kv_dtype)
+            nvme = None
+            if nvme_kv_dir is not None:  # every rank keeps its share of each block in a directory of its own
+                nvme = {"directory": str(nvme_kv_dir), "capacity_bytes": nvme_kv_bytes, "layout_tag": layout_tag}
+                nvme_kv_dir, layout_tag = rank_directory(str(nvme_kv_dir), 0), shard_layout_tag(layout_tag, shard)
+            self._tp = (model, tensor_parallel_size, num_gpu_blocks, block_size, worker_id, num_host_blocks, kv_dtype,
+                        nvme)
             self.group = _start_group(runner, *self._tp)
         kv = KVCacheManager(num_gpu_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         sched = SchedulerConfig(
@@ -91,13 +98,14 @@ class LLM:
             max_model_len=max_model_len or limit,
         )
         if cpu_kv_bytes is not None:
-            tiers = _build_tiers(runner, block_bytes, cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes,
-                                 f"{self.model_id}/{loaded.model.dtype}/{kv_dtype}/bs{block_size}", admission)
+            tiers = _build_tiers(runner, block_bytes, cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes, layout_tag, admission)
             if pin_quota_bytes is not None:
                 tiers.pin_quota_blocks = min(max(1, pin_quota_bytes // block_bytes), tiers.max_pinned_blocks)
             kv.attach_tiers(tiers)
-            if shard is not None:  # the other ranks repeat every pool <-> DRAM copy on their shards
+            if shard is not None:  # the other ranks repeat every tier op on their shards (tiering/rank_mirror.py)
                 tiers.copy_log = []
+                tiers.group_reads = {}
+                tiers.sync_group = runner.sync_tiers
                 runner.tiers = tiers
         self.engine = LLMEngine(runner, self.tokenizer, kv, sched, self.model_id, seed=seed, kv_dtype=kv_dtype,
                                 kv_eviction=kv_eviction)
@@ -245,28 +253,25 @@ def _build_tiers(runner: ModelRunner, block_bytes: int, cpu_kv_bytes: int, nvme_
     return TierManager(runner.kv_cache, host, nvme, admission=admission)
 
 
-def _check_tp(model: str, tp: int, nvme_kv_dir: str | None):
+def _check_tp(model: str, tp: int):
     """Rank 0's shard; ValueError naming tensor_parallel_size for a size the model cannot take."""
     from kvstrata.worker.loader import load_config
     from kvstrata.worker.tensor_parallel import plan_shard
 
     if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-    if nvme_kv_dir is not None:
-        raise ValueError("nvme_kv_dir: the NVMe tier does not work with tensor_parallel_size > 1 yet (the DRAM "
-                         "tier does)")
     return plan_shard(load_config(model), tp, 0)
 
 
 def _start_group(runner: ModelRunner, model: str, tp: int, num_blocks: int, block_size: int, worker_id: str,
-                 num_host_blocks: int, kv_dtype: str):
+                 num_host_blocks: int, kv_dtype: str, nvme: dict | None):
     """The other ranks, joined to this process (rank 0), with the same number of KV blocks."""
     from kvstrata.cluster.tp_group import GroupSpec, WorkerGroup
 
     m = runner.model
     group = WorkerGroup(GroupSpec(model, tp, str(m.dtype).removeprefix("torch."), m.device.type,
                                   num_blocks, block_size, worker_id, num_host_blocks=num_host_blocks,
-                                  kv_dtype=kv_dtype))
+                                  kv_dtype=kv_dtype, nvme=nvme))
     m.all_reduce = group.comm.all_reduce
     runner.comm, runner.group = group.comm, group
     group.wait_ready()

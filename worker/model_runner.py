@@ -24,7 +24,7 @@ from kvstrata.worker.kv_cache_manager import BlockCopy
 from kvstrata.worker.kv_format import make_kv_format
 from kvstrata.worker.model import LlamaModel
 from kvstrata.worker.request import Request
-from kvstrata.worker.tensor_parallel import STEP, TPComm, pack_step, unpack_step
+from kvstrata.worker.tensor_parallel import STEP, SYNC, TPComm, pack_step, pack_tier_ops, unpack_step, unpack_tier_ops
 
 
 @dataclass(slots=True)
@@ -62,8 +62,8 @@ class ModelRunner:
         # (a WorkerGroup) checks they are alive and names the rank that died when a step fails
         self.comm: TPComm | None = None
         self.group = None
-        self.tiers = None  # rank 0 with a DRAM tier: its copy log goes to the other ranks with each step
-        self.host_storage: torch.Tensor | None = None  # another rank's DRAM tier: its share of each block
+        self.tiers = None  # rank 0 with tiers: its copy log goes to the other ranks with each step
+        self.rank_tiers = None  # another rank's tiers (a RankTiers): its share of each block, rank 0's ops
         self.attention_observer = None  # set by the engine before a step whose requests need attention scores
 
     @staticmethod
@@ -111,8 +111,9 @@ class ModelRunner:
             self.group.check()
             try:
                 src, dst = [c.src for c in batch.block_copies], [c.dst for c in batch.block_copies]
-                tier_ops = self.tiers.drain_copy_log() if self.tiers is not None else []
-                self.comm.send(STEP, pack_step(input_ids, positions, meta, src, dst, tier_ops))
+                tier_ops, loads = self._tier_messages()
+                self.comm.send(STEP, pack_step(input_ids, positions, meta, src, dst, tier_ops, loads))
+                self._agree_on_loads(loads)
                 self.copy_blocks(batch.block_copies)
                 hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
             except Exception as e:  # a collective failed: say which rank died, if one did
@@ -120,19 +121,46 @@ class ModelRunner:
         rows = last_token_rows[torch.tensor(sample_rows, dtype=torch.long)] if sample_rows else last_token_rows[:0]
         return self.model.compute_logits(hidden[rows.to(self.device)])
 
+    def sync_tiers(self) -> None:
+        """Rank 0, when no step runs (requests wait for NVMe): send the tier ops so far and learn
+        how far every rank has read the pending loads."""
+        self.group.check()
+        try:
+            tier_ops, loads = self._tier_messages()
+            self.comm.send(SYNC, pack_tier_ops(tier_ops, loads))
+            self._agree_on_loads(loads)
+        except Exception as e:
+            raise self.group.failure(e) from e
+
+    def _tier_messages(self) -> tuple[list, list[int]]:
+        if self.tiers is None:
+            return [], []
+        return self.tiers.drain_copy_log(), self.tiers.pending_load_ids() if self.tiers.nvme is not None else []
+
+    def _agree_on_loads(self, loads: list[int]) -> None:
+        """Every rank's read status of these NVMe loads, the group's being the least (rank_mirror.py)."""
+        if not loads:
+            return
+        if self.rank_tiers is not None:
+            self.comm.all_reduce_min(self.rank_tiers.statuses(loads))
+        else:
+            self.tiers.note_group_reads(loads, self.comm.all_reduce_min(self.tiers.load_statuses(loads)))
+
     def follow(self, fields: list[torch.Tensor]) -> None:
         """Another rank's side of rank 0's `execute`: the same copies and forward pass, no logits."""
         step = unpack_step(fields, self.block_size, self.device, self.cpu_kernels, self.kv_format)
-        if step.tier_ops:
-            from kvstrata.tiering.manager import TO_HOST, copy_to_device, copy_to_host
-
-            for kind, a, b in step.tier_ops:  # rank 0 made these before its forward pass, in this order
-                if kind == TO_HOST:
-                    copy_to_host(self.kv_cache, a, self.host_storage, b, self.cpu_kernels)
-                else:
-                    copy_to_device(self.host_storage, a, self.kv_cache, b, self.cpu_kernels)
+        self._follow_tiers(step.tier_ops, step.sync_loads)
         self.copy_blocks([BlockCopy(s, d) for s, d in step.block_copies])
         self.model.forward(step.input_ids, step.positions, step.meta, self.kv_cache)
+
+    def follow_sync(self, fields: list[torch.Tensor]) -> None:
+        """Another rank's side of rank 0's `sync_tiers`."""
+        self._follow_tiers(*unpack_tier_ops(fields))
+
+    def _follow_tiers(self, tier_ops: list, loads: list[int]) -> None:
+        if tier_ops:  # rank 0 made these before its forward pass, in this order
+            self.rank_tiers.apply(tier_ops)
+        self._agree_on_loads(loads)
 
     def _prepare(self, batch: ScheduledBatch):
         bs = self.block_size

@@ -18,6 +18,7 @@ the same forward pass on its own heads.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from kvstrata.worker.attention import AttentionMetadata, PrefillChunk
 from kvstrata.worker.config import ModelConfig
 
-STEP, STOP = 1, 2  # message kinds
+STEP, STOP, SYNC = 1, 2, 3  # message kinds: a forward pass; the end; tier ops and load statuses alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +112,17 @@ def slice_for(name: str, slices: dict[str, tuple[int, list[tuple[int, int]]]]) -
     return slices.get(suffix)
 
 
+def rank_directory(directory: str, rank: int) -> str:
+    """Each rank's NVMe tier keeps its share of every block in a directory of its own."""
+    return os.path.join(directory, f"rank-{rank}")
+
+
+def shard_layout_tag(layout_tag: str, shard: TPShard) -> str:
+    """A rank's NVMe layout names its KV heads, so a directory reused at another tp (or by another
+    rank) never serves one shard's bytes as another's."""
+    return f"{layout_tag}/tp{shard.size}-kv{'.'.join(map(str, shard.kv_heads))}"
+
+
 # -- the group --------------------------------------------------------------------------------------
 
 class TPComm:
@@ -132,6 +144,12 @@ class TPComm:
 
     def all_reduce(self, x: torch.Tensor) -> None:
         dist.all_reduce(x)
+
+    def all_reduce_min(self, values: list[int]) -> list[int]:
+        """The minimum of each value over the ranks (every rank calls it with as many values)."""
+        x = torch.tensor(values, dtype=torch.long, device=self.device)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN)
+        return x.tolist()
 
     def send(self, kind: int, fields: list[torch.Tensor]) -> None:
         assert self.rank == 0, "only rank 0 sends steps"
@@ -164,9 +182,9 @@ class TPComm:
 
 def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
               copies_src: list[int], copies_dst: list[int],
-              tier_ops: list[tuple[int, list[int], list[int]]] = ()) -> list[torch.Tensor]:
-    """A scheduled step as int64 fields: what another rank needs to run the same forward pass, and
-    the DRAM tier copies rank 0 made since the last step, (kind, src ids, dst ids) in order."""
+              tier_ops: list[tuple[int, list[int], list[int]]] = (), sync_loads: list[int] = ()) -> list[torch.Tensor]:
+    """A scheduled step as int64 fields: what another rank needs to run the same forward pass, then
+    pack_tier_ops' fields."""
     cpu = torch.device("cpu")
     d = meta.num_decodes
     width = meta.decode_block_tables.shape[1] if d else 0
@@ -179,11 +197,36 @@ def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionM
         torch.tensor(prefill_info, dtype=torch.long),
         torch.cat([p.block_ids.to(cpu) for p in meta.prefills]) if meta.prefills else torch.empty(0, dtype=torch.long),
         torch.tensor(copies_src, dtype=torch.long), torch.tensor(copies_dst, dtype=torch.long),
-        torch.tensor([k for k, _, _ in tier_ops], dtype=torch.long),
-        torch.tensor([len(src) for _, src, _ in tier_ops], dtype=torch.long),
-        torch.tensor([i for _, src, _ in tier_ops for i in src], dtype=torch.long),
-        torch.tensor([i for _, _, dst in tier_ops for i in dst], dtype=torch.long),
+        *pack_tier_ops(tier_ops, sync_loads),
     ]
+
+
+def pack_tier_ops(tier_ops: list[tuple[int, list[int], list[int]]], sync_loads: list[int]) -> list[torch.Tensor]:
+    """The tier ops rank 0 made since the last step, (kind, a, b) in order (tiering/rank_mirror.py),
+    and the NVMe loads whose read status every rank reports in an all-reduce after applying them.
+
+        kinds [k0, k1]   a lengths [2, 1]   b lengths [2, 0]   a [a00 a01 a10]   b [b00 b01]   loads [...]
+    """
+    return [
+        torch.tensor([k for k, _, _ in tier_ops], dtype=torch.long),
+        torch.tensor([len(a) for _, a, _ in tier_ops], dtype=torch.long),
+        torch.tensor([len(b) for _, _, b in tier_ops], dtype=torch.long),
+        torch.tensor([i for _, a, _ in tier_ops for i in a], dtype=torch.long),
+        torch.tensor([i for _, _, b in tier_ops for i in b], dtype=torch.long),
+        torch.tensor(list(sync_loads), dtype=torch.long),
+    ]
+
+
+def unpack_tier_ops(fields: list[torch.Tensor]) -> tuple[list[tuple[int, list[int], list[int]]], list[int]]:
+    """pack_tier_ops' fields back into (tier ops, load ids)."""
+    kinds, a_lens, b_lens, a_all, b_all, loads = (f.tolist() for f in fields)
+    ops = []
+    i = j = 0
+    for kind, na, nb in zip(kinds, a_lens, b_lens):
+        ops.append((kind, a_all[i:i + na], b_all[j:j + nb]))
+        i += na
+        j += nb
+    return ops, loads
 
 
 @dataclass(slots=True)
@@ -194,14 +237,14 @@ class StepMessage:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write copies, before the forward pass
-    tier_ops: list[tuple[int, list[int], list[int]]]  # (kind, src ids, dst ids): DRAM tier copies, first
+    tier_ops: list[tuple[int, list[int], list[int]]]  # (kind, a, b): tier ops, first of all
+    sync_loads: list[int]  # NVMe loads whose read status every rank reports after the tier ops
 
 
 def unpack_step(fields: list[torch.Tensor], block_size: int, device: torch.device, cpu_kernels=None,
                 kv_format=None) -> StepMessage:
     """pack_step's fields back into a step."""
-    (counts, input_ids, positions, slots, tables, seq_lens, prefill_info, prefill_ids, src, dst,
-     kinds, lens, tier_src, tier_dst) = fields
+    (counts, input_ids, positions, slots, tables, seq_lens, prefill_info, prefill_ids, src, dst) = fields[:10]
     d, width, num_prefills = (int(x) for x in counts.tolist())
     decode_tables = decode_mask = None
     if d:
@@ -217,10 +260,6 @@ def unpack_step(fields: list[torch.Tensor], block_size: int, device: torch.devic
     meta = AttentionMetadata(slot_mapping=slots.to(device), num_decodes=d, decode_block_tables=decode_tables,
                              decode_seq_lens=seq_lens.to(device) if d else None, decode_mask=decode_mask,
                              prefills=prefills, cpu_kernels=cpu_kernels, kv_format=kv_format)
-    tier_ops = []
-    offset = 0
-    for kind, n in zip(kinds.tolist(), lens.tolist()):
-        tier_ops.append((kind, tier_src[offset:offset + n].tolist(), tier_dst[offset:offset + n].tolist()))
-        offset += n
+    tier_ops, sync_loads = unpack_tier_ops(fields[10:])
     return StepMessage(input_ids.to(device), positions.to(device), meta, list(zip(src.tolist(), dst.tolist())),
-                       tier_ops)
+                       tier_ops, sync_loads)

@@ -23,9 +23,6 @@ fields and says what to change.
 {{- if lt (int (include "kvstrata.numWorkers" .)) 1 -}}
 {{- fail "pools: the replicas of all pools add up to 0; kvstrata needs at least one worker pod" -}}
 {{- end -}}
-{{- if and .Values.kvCache.nvme.enabled (gt (int .Values.tp) 1) -}}
-{{- fail (printf "kvCache.nvme.enabled needs tp: 1 (got %d): the engine does not run the NVMe tier with tensor parallelism yet; use the DRAM tier (kvCache.dramBytes)" (int .Values.tp)) -}}
-{{- end -}}
 {{- if and .Values.kvCache.nvme.enabled (not .Values.kvCache.dramBytes) -}}
 {{- fail "kvCache.nvme.enabled needs kvCache.dramBytes: blocks reach the NVMe tier by demotion from DRAM" -}}
 {{- end -}}
