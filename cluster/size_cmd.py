@@ -33,8 +33,9 @@ KV bytes per token = 2 (K, V) * layers * KV heads * bytes per head vector; query
 (GQA). With --tp N each rank holds KV heads / N of them, or, when they do not split evenly, heads
 replicated as needed, as the engine shards them (the replication is printed).
 KV dtype storage: fp32 4 B, fp16/bf16 2 B, fp8_e4m3/fp8_e5m2 1 B per value; int8 is 1 B per value
-plus a float16 scale per (token, layer, head) for each of K and V; int4 is 4 bits per value plus a
-float16 scale per group of 32 values within a head vector (ceil(head_dim / 32) groups).
+plus a float16 scale per (token, layer, head) for each of K and V; int4 is 4 bits per value plus
+max(ceil(2 * head_dim / block size), ceil(head_dim / 16)) bytes per head vector: the block's one-byte
+key step and zero point per channel, spread over its rows, and the token's one-byte value scales.
 KV budget per GPU = GPU memory - weights / tp - (overhead-frac * GPU memory + overhead-gib)."""
 
 

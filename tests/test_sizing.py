@@ -64,8 +64,8 @@ def plan(config: ModelConfig, **params):
         ("fp8_e4m3", 16 * (8 + 2)),  # + one fp16 scale per head vector
         ("fp8_e5m2", 16 * (8 + 2)),
         ("int8", 16 * (8 + 2)),
-        # 8 values in 4 bytes + 2: the block's 8 key steps and 8 minimums (fp16) over 16 rows
-        ("int4", 16 * (4 + 2)),
+        # 8 values in 4 bytes + 1: the block's 8 key steps and 8 zero points (a byte each) over 16 rows
+        ("int4", 16 * (4 + 1)),
     ],
 )
 def test_kv_bytes_per_token_each_dtype(kv_dtype, expected):
@@ -82,10 +82,12 @@ def test_unscaled_dtypes_agree_with_model_config(kv_dtype, dtype_bytes):
 
 
 def test_int4_bytes_include_block_key_scales_and_token_value_scales():
-    # head_dim 64, blocks of 16: 32 bytes of nibbles + 16 of scales (the block's 64 key steps and
-    # minimums in fp16 = 256 bytes over 16 rows; four fp16 value scales fit in the same room)
-    assert plan(tiny(head_dim=64), kv_dtype="int4").kv_bytes_per_token == 16 * (32 + 16)
-    assert plan(tiny(head_dim=64), kv_dtype="int4", block_size=64).kv_bytes_per_token == 16 * (32 + 8)
+    # head_dim 64, blocks of 16: 32 bytes of nibbles + 8 of scales (the block's 64 key steps and
+    # zero points, a byte each = 128 bytes over 16 rows; eight one-byte value scales fit in the same
+    # room). From blocks of 32 the keys need 4 bytes a row, and so do four value scales (one per 16).
+    assert plan(tiny(head_dim=64), kv_dtype="int4").kv_bytes_per_token == 16 * (32 + 8)
+    assert plan(tiny(head_dim=64), kv_dtype="int4", block_size=32).kv_bytes_per_token == 16 * (32 + 4)
+    assert plan(tiny(head_dim=64), kv_dtype="int4", block_size=64).kv_bytes_per_token == 16 * (32 + 4)
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])

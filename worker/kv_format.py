@@ -6,14 +6,18 @@ parallelism move blocks without knowing the format). A quantized row holds one t
 one head followed by that row's share of the scales:
 
     int8, fp8:  [ D codes (1 byte each) | fp16 scale ]                     one scale per token per head
-    int4:       [ D/2 bytes (two codes each) | E bytes of scales ]
-                  V: the E bytes are fp16 scales, one per group of `v_group` channels of this token
-                  K: the E bytes of the block's rows, taken together, are the block's fp16 scale
-                     per channel (row t holds channels t*E/2 .. t*E/2 + E/2 - 1)
+    int4:       [ D/2 bytes (two codes each) | E bytes of scales ]         E = max(ceil(2D/bs), ceil(D/16))
+                  V: one-byte scales, one per group of `v_group` channels of this token (D/E or more)
+                  K: the E bytes of the block's rows, taken together, are the block's parameters,
+                     2D bytes: a one-byte step per channel, then a one-byte zero point per channel
 
-Keys have outlier channels, so int4 keys share a scale per channel over the tokens of a block; a
-write that raises a channel's range re-quantizes that block's earlier codes to the new scale.
-Values are scaled per token. Everything here is plain torch and runs on any device.
+                     params:  [ step 0 .. step D-1 | zero 0 .. zero D-1 | padding ]
+                     row t:              bytes t*E .. t*E + E - 1
+
+Keys have outlier channels, so int4 keys share a step and zero point per channel over the tokens of
+a block; a write that widens a channel's range re-fits it and re-quantizes the block's earlier
+codes. Values are scaled per token. At D = 64 and blocks of 16, E = 8 (a row of 40 bytes, 0.3125x
+of 16-bit); from blocks of 32, E = 4 (36 bytes, 0.28x). Everything here is plain torch and runs on any device.
 """
 
 from __future__ import annotations
@@ -150,9 +154,10 @@ class ScaledRowFormat(KVFormat):
 
 
 class Int4Format(KVFormat):
-    """Two 4-bit codes per byte. Keys: asymmetric (min + code * step, codes 0..15) per channel over the
-    tokens of a block. Values: symmetric (codes -8..7) per group of channels of each token. See the
-    module docstring for the row layout."""
+    """Two 4-bit codes per byte. Keys: asymmetric, step * (code - zero point) with codes 0..15, per
+    channel over the tokens of a block. Values: symmetric, scale * code with codes -8..7, per group
+    of channels of each token. Steps and scales are one-byte log codes (`_decode_step`), zero points
+    one signed byte in half steps. See the module docstring for the row layout."""
 
     name = "int4"
 
@@ -160,26 +165,29 @@ class Int4Format(KVFormat):
         super().__init__(head_dim, block_size, compute_dtype)
         if head_dim % 2:
             raise ValueError(f"kv_dtype int4 needs an even head_dim, got {head_dim}")
-        self.v_group = int4_value_group(head_dim)
+        self.v_group = int4_value_group(head_dim, block_size)
         self.extra = int4_row_extra_bytes(head_dim, block_size)
 
     def spec(self) -> CacheSpec:
         return CacheSpec(self.head_dim // 2 + self.extra, torch.uint8)
 
     def move_slots(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Keys share their block's scales, so moved tokens are dequantized and written again."""
+        """Values carry their scales in their own row and move as bytes. Keys share their block's
+        parameters, so moved keys are dequantized and written into the receiving blocks, which keep
+        the tokens they hold: compaction fills holes of blocks that hold survivors, at offset 0 too."""
         bs = self.block_size
         src_blocks, inverse = torch.unique(src // bs, return_inverse=True)
         rows = inverse * bs + src % bs
+        values = kv_cache[:, 1].view(kv_cache.shape[0], -1, *kv_cache.shape[4:])  # [L, N * bs, Hkv, W]
+        values[:, dst] = values[:, src]
         for layer in range(kv_cache.shape[0]):
-            for kv in (0, 1):
-                cache = kv_cache[layer, kv]
-                x = self.read(cache, src_blocks, key=kv == 0)[rows]  # [len(src), Hkv, D]
-                self.write(cache, x, dst, key=kv == 0)
+            cache = kv_cache[layer, 0]
+            x = self.read(cache, src_blocks, key=True)[rows]  # [len(src), Hkv, D]
+            self._write_keys(cache, x, dst, starts_blocks=False)
 
     def write(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, key: bool) -> None:
         if key:
-            self._write_keys(cache, x, slots)
+            self._write_keys(cache, x, slots, starts_blocks=True)
         else:
             self._write_values(cache, x, slots)
 
@@ -187,68 +195,142 @@ class Int4Format(KVFormat):
         blocks = cache.index_select(0, block_ids)  # [n, bs, Hkv, W]
         codes = _unpack(blocks[..., : self.head_dim // 2])  # [n, bs, Hkv, D], 0..15
         if key:
-            step, low = self._key_params(blocks)  # [n, Hkv, D] each
-            values = torch.addcmul(low[:, None], codes, step[:, None])
+            step, zero = self._key_params(blocks)  # [n, Hkv, D] each
+            values = (codes - zero[:, None]) * step[:, None]
         else:
             values = (codes - 8) * self._value_scales(blocks)
         return values.flatten(0, 1).to(self.compute_dtype)
 
     def _value_scales(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [..., W] -> per-channel scales [..., D] (each group's scale repeated)."""
-        groups = self.head_dim // self.v_group
         half = self.head_dim // 2
-        scale = rows[..., half : half + 2 * groups].contiguous().view(torch.float16).float()
+        scale = _decode_step(rows[..., half : half + self.head_dim // self.v_group])  # [..., D / group]
         return scale.repeat_interleave(self.v_group, dim=-1)
 
     def _write_values(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
         t, hkv, d = x.shape
         xf = x.float().view(t, hkv, d // self.v_group, self.v_group)
-        scale = (xf.abs().amax(-1, keepdim=True) / 7).half()  # [T, Hkv, G, 1]
-        codes = (xf * _inverse(scale.float())).round_().clamp_(-8, 7).view(t, hkv, d) + 8
+        # codes -8..7 reach from -8.5 to 7.5 scales within half a step; the scale code rounds up
+        code = _encode_step(torch.maximum(xf.amax(-1) / 7.5, xf.amin(-1) / -8.5))  # [T, Hkv, D / group]
+        codes = (xf / _decode_step(code)[..., None]).round_().clamp_(-8, 7).view(t, hkv, d) + 8
         rows = torch.zeros((t, hkv, cache.shape[-1]), dtype=torch.uint8, device=x.device)
         rows[..., : d // 2] = _pack(codes)
-        rows[..., d // 2 : d // 2 + scale.numel() // (t * hkv) * 2] = scale.view(t, hkv, -1).view(torch.uint8)
+        rows[..., d // 2 : d // 2 + code.shape[-1]] = code
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
 
-    def _key_params(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """blocks [n, bs, Hkv, W] -> each block's per-channel key step and minimum, [n, Hkv, D] each."""
+    def _key_param_bytes(self, blocks: torch.Tensor) -> torch.Tensor:
+        """blocks [n, bs, Hkv, W] -> [n, Hkv, 2D]: the block's D step codes, then its D zero points."""
         n, bs, hkv, _ = blocks.shape
-        d = self.head_dim
-        extra = blocks[..., d // 2 :].permute(0, 2, 1, 3).contiguous()  # [n, Hkv, bs, E]
-        params = extra.view(n, hkv, bs * self.extra).view(torch.float16)[..., : 2 * d].float()
-        return params[..., :d], params[..., d:]
+        extra = blocks[..., self.head_dim // 2 :].permute(0, 2, 1, 3)  # [n, Hkv, bs, E]
+        return extra.reshape(n, hkv, bs * self.extra)[..., : 2 * self.head_dim]
 
-    def _write_keys(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+    def _key_params(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """blocks [n, bs, Hkv, W] -> each block's per-channel key step and zero point (in codes),
+        [n, Hkv, D] float each."""
+        d = self.head_dim
+        params = self._key_param_bytes(blocks)
+        return _decode_step(params[..., :d]), _decode_zero(params[..., d:])
+
+    def _write_keys(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, starts_blocks: bool) -> None:
+        """starts_blocks: a write at offset 0 starts a fresh block (the engine's writes); without it,
+        the written blocks keep the tokens they hold (moves)."""
         bs, d = self.block_size, self.head_dim
         blocks, inverse = torch.unique(slots // bs, return_inverse=True)  # U touched blocks
         offsets = slots % bs
         old = cache.index_select(0, blocks)  # [U, bs, Hkv, W]
-        old_step, old_low = self._key_params(old)  # [U, Hkv, D]
-        old_high = old_low + 15 * old_step
-        # a write at offset 0 starts a block: whatever its rows held belongs to an earlier owner
-        fresh = torch.zeros(len(blocks), dtype=torch.bool, device=x.device)
-        fresh[inverse[offsets == 0]] = True
-        old_low[fresh] = float("inf")
-        old_high[fresh] = float("-inf")
+        old_params = self._key_param_bytes(old)  # [U, Hkv, 2D]
+        step, zero = _decode_step(old_params[..., :d]), _decode_zero(old_params[..., d:])  # [U, Hkv, D]
+        held = (_unpack(old[..., : d // 2]) - zero[:, None]) * step[:, None]  # [U, bs, Hkv, D]
         xf = x.float()
-        index = inverse[:, None, None].expand(x.shape)
-        low = old_low.scatter_reduce(0, index, xf, "amin").half().float()  # the range only ever widens
-        high = old_high.scatter_reduce(0, index, xf, "amax")
-        step = ((high - low) / 15).half().float()
-        inv = _inverse(step)
-        # re-quantize what the blocks hold to the (possibly wider) range, then add the new tokens
-        held = torch.addcmul(old_low[:, None], _unpack(old[..., : d // 2]), old_step[:, None])
-        held[fresh] = 0
-        codes = ((held - low[:, None]) * inv[:, None]).round_().clamp_(0, 15)
-        codes[inverse, offsets] = ((xf - low[inverse]) * inv[inverse]).round_().clamp_(0, 15)
+        fresh = torch.zeros(len(blocks), dtype=torch.bool, device=x.device)
+        if starts_blocks:
+            # A fresh block's rows belong to an earlier owner: they take the value of one of the new
+            # tokens, so that every row of a block holds one of its own tokens and the rows' range is
+            # the block's range (later writes and moves re-fit to it, never to stale bytes).
+            fresh[inverse[offsets == 0]] = True
+            num = torch.full((len(blocks),), len(slots), device=x.device)
+            first = num.scatter_reduce(0, inverse, torch.arange(len(slots), device=x.device), "amin")
+            held = torch.where(fresh[:, None, None, None], xf[first][:, None], held)
+        held[inverse, offsets] = xf
+        low, high = held.amin(1), held.amax(1)  # [U, Hkv, D]
+        # A channel keeps its parameters, and so its earlier codes exactly, while its values are within
+        # half a step of its grid; otherwise it is re-fitted and its earlier codes re-quantized.
+        keep = ~fresh[:, None, None] & (low >= (-0.5 - zero) * step) & (high <= (15.5 - zero) * step)
+        new_step, new_zero = _fit_key_params(low, high)
+        params = torch.where(keep.repeat(1, 1, 2), old_params, torch.cat([new_step, _encode_zero(new_zero)], -1))
+        step, zero = _decode_step(params[..., :d]), _decode_zero(params[..., d:])
+        codes = (held / step[:, None] + zero[:, None]).round_().clamp_(0, 15)
         new = torch.empty_like(old)
         new[..., : d // 2] = _pack(codes)
         u, _, hkv, _ = old.shape
-        params = torch.zeros((u, hkv, bs * self.extra // 2), dtype=torch.float16, device=x.device)
-        params[..., :d] = step.half()
-        params[..., d : 2 * d] = low.half()
-        new[..., d // 2 :] = params.view(torch.uint8).view(u, hkv, bs, self.extra).permute(0, 2, 1, 3)
+        extra = torch.zeros((u, hkv, bs * self.extra), dtype=torch.uint8, device=x.device)
+        extra[..., : 2 * d] = params
+        new[..., d // 2 :] = extra.view(u, hkv, bs, self.extra).permute(0, 2, 1, 3)
         cache.index_copy_(0, blocks, new)
+
+
+# Steps and scales in one byte: step = 2^((code - 160) / 8), from 2^-20 to 2^11.9 in steps of 9%.
+_LOG_PER_OCTAVE = 8.0
+_LOG_BIAS = 160.0
+# Key zero points in half steps: a signed byte reaches 64 steps either side of 0.
+_ZERO_UNITS = 2.0
+_KEY_STEP_CANDIDATES = 3
+
+
+def _decode_step(code: torch.Tensor) -> torch.Tensor:
+    """Step codes (uint8) -> steps (float32)."""
+    return torch.exp2((code.float() - _LOG_BIAS) / _LOG_PER_OCTAVE)
+
+
+def _encode_step(step: torch.Tensor) -> torch.Tensor:
+    """The smallest code whose step is >= `step` (float32, >= 0; 255 at most), as uint8."""
+    code = (torch.log2(step) * _LOG_PER_OCTAVE + _LOG_BIAS).ceil_().clamp_(0, 255)
+    code += (_decode_step(code) < step) & (code < 255)  # log2 and exp2 may round either way
+    return code.to(torch.uint8)
+
+
+def _decode_zero(stored: torch.Tensor) -> torch.Tensor:
+    """Zero-point bytes (int8 in half steps, stored as uint8) -> zero points in codes (float32)."""
+    return stored.view(torch.int8).float() / _ZERO_UNITS
+
+
+def _encode_zero(zero: torch.Tensor) -> torch.Tensor:
+    """Zero points in codes, multiples of 1/_ZERO_UNITS within int8 reach -> bytes (uint8)."""
+    return (zero * _ZERO_UNITS).round().to(torch.int8).view(torch.uint8)
+
+
+def _fit_key_params(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each channel's range [...] -> its step code (uint8) and zero point (float32 codes, in halves).
+
+    The keys at a channel's ends give the largest and smallest q.k, which attention singles out, so
+    the fit prefers a step that puts both ends near grid points. Each of the few smallest steps that
+    cover the range puts n = round(range / step) <= 15 steps between the ends, centred in the 16
+    codes (which leaves room to widen); the fit takes the one with the least error at the ends plus
+    a quarter step (the mean error of the values in between). A channel far from 0 needs a wider step
+    so that its zero point fits in a signed byte: at most 64 steps below 0 and 79 above.
+
+        codes:  0   1   2   3   ...   12  13  14  15        n = 12: low at code (15 - 12) // 2 = 1
+                    ^low                  ^high
+    """
+    reach_up, reach_down = 15.5 + 128 / _ZERO_UNITS, 127 / _ZERO_UNITS + 0.5
+    need = torch.maximum((high - low) / 15, torch.maximum(high / reach_up, low / -reach_down))
+    candidates = torch.arange(_KEY_STEP_CANDIDATES, device=low.device)
+    code = (_encode_step(need).long()[..., None] + candidates).clamp_(max=255)  # [..., J]
+    step = _decode_step(code)
+    low, high = low[..., None], high[..., None]
+    ratio = (high - low) / step
+    n = ratio.round().clamp(max=15)
+    first = ((15 - n) / 2).floor()  # the code at `low`
+    zero = ((first - low / step - (ratio - n) / 2) * _ZERO_UNITS).round().clamp(-128, 127) / _ZERO_UNITS
+    cost = torch.maximum(_grid_error(low, step, zero), _grid_error(high, step, zero)) + step / 4
+    pick = cost.argmin(-1, keepdim=True)  # the first minimum: the smaller step on a tie
+    return code.gather(-1, pick).squeeze(-1).to(torch.uint8), zero.gather(-1, pick).squeeze(-1)
+
+
+def _grid_error(x: torch.Tensor, step: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """|x - its int4 key value| for codes 0..15 on the grid step * (code - zero)."""
+    code = (x / step + zero).round().clamp(0, 15)
+    return ((code - zero) * step - x).abs()
 
 
 def _inverse(scale: torch.Tensor) -> torch.Tensor:
