@@ -22,6 +22,8 @@ def add_client_parser(sub) -> None:
     p.add_argument("--top-p", type=non_negative_float, default=None)
     p.add_argument("--seed", type=integer, default=None)
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    p.add_argument("--kv-eviction", default=None,
+                   help="a token eviction policy for this request, e.g. 'streaming(sinks=4, window=252)' (lossy)")
     p.add_argument("--api-key", default=None, help="API key (default: $KVSTRATA_API_KEY)")
     p.add_argument("--tls-ca", default=None, help="PEM CA that signed the server's certificate (turns TLS on)")
     p.add_argument("--tls-cert", default=None, help="PEM client certificate, for mTLS")
@@ -67,7 +69,7 @@ def run_client_generate(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise ValueError("prompt is empty")
     sampling = pb.SamplingOptions(max_tokens=args.max_tokens, stop=args.stop or [])
-    for name in ("temperature", "top_p", "seed"):
+    for name in ("temperature", "top_p", "seed", "kv_eviction"):
         if getattr(args, name) is not None:
             setattr(sampling, name, getattr(args, name))
     if args.chat:

@@ -326,6 +326,14 @@ def test_client_generate_command_streams(live, reference, capsys):
     assert "completion 12 tokens" in out.err
     rc = main(["client", "generate", "--target", f"127.0.0.1:{live.port}", "--api-key", "nope-" * 4, "Hi"])
     assert rc == 1 and "UNAUTHENTICATED" in capsys.readouterr().err
+    # a policy rides in the request: a bad one is the server's INVALID_ARGUMENT, naming the field
+    rc = main(["client", "generate", "--target", f"127.0.0.1:{live.port}", "--api-key", KEY_ALPHA,
+               "--kv-eviction", "forget_everything()", "Hi"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "INVALID_ARGUMENT" in err and "kv_eviction" in err
+    rc = main(["client", "generate", "--target", f"127.0.0.1:{live.port}", "--api-key", KEY_ALPHA,
+               "--max-tokens", "12", "--temperature", "0", "--kv-eviction", "sliding_window(64)", PROMPT])
+    assert rc == 0 and capsys.readouterr().out.strip() == reference["text"].strip()  # nothing left the window
 
 
 def test_overload_is_429_and_admitted_requests_finish():

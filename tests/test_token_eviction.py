@@ -390,6 +390,8 @@ def test_the_engine_default_applies_unless_a_request_names_its_own(tiny_dir):
     engine.add_request("own", prompt(52), greedy(4, "sliding_window(32)"))
     assert engine.groups["default"].samples[0].eviction.policy == StreamingLLM(4, 28)
     assert engine.groups["own"].samples[0].eviction.policy == SlidingWindow(32)
+    engine.add_request("none", prompt(54), greedy(4, "none"))  # opts out of the default
+    assert engine.groups["none"].samples[0].eviction is None
     run(engine)
     # a long generation fits a pool far smaller than it would need without eviction
     out = llm.generate([prompt(53)], greedy(300))[0]  # 22 blocks without eviction

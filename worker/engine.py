@@ -20,7 +20,7 @@ from kvstrata.worker.request import FinishReason, Request, RequestStatus, Teache
 from kvstrata.worker.sampler import Sampler
 from kvstrata.worker.sampling_params import SamplingParams
 from kvstrata.worker.scheduler import Scheduler, SchedulerConfig
-from kvstrata.worker.token_eviction import EvictionPolicy, EvictionState
+from kvstrata.worker.token_eviction import KEEP_ALL, EvictionPolicy, EvictionState
 from kvstrata.worker.token_evictor import TokenEvictor
 from kvstrata.worker.tokenizer import Detokenizer, Tokenizer
 
@@ -103,7 +103,9 @@ class LLMEngine:
         return shared + params.n * self.kv.blocks_for(total - shared * bs)
 
     def eviction_policy(self, params: SamplingParams) -> EvictionPolicy | None:
-        """The request's own token eviction policy, else the engine's."""
+        """The request's own token eviction policy, else the engine's; None for a request's "none"."""
+        if params.kv_eviction is KEEP_ALL:
+            return None
         return params.kv_eviction if params.kv_eviction is not None else self.kv_eviction
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -18,7 +18,7 @@ from kvstrata.worker.outputs import RequestOutput
 from kvstrata.worker.sampling_params import SamplingParams
 from kvstrata.worker.scheduler import SchedulerConfig
 from kvstrata.worker.tensor_parallel import rank_directory, shard_layout_tag
-from kvstrata.worker.token_eviction import EvictionPolicy, resolve_eviction
+from kvstrata.worker.token_eviction import KEEP_ALL, EvictionPolicy, resolve_eviction
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of host memory for KV when no block count is given
 DEFAULT_GPU_KV_FRACTION = 0.85  # of the device memory still free after loading the weights
@@ -54,6 +54,8 @@ class LLM:
         _check_positive("max_num_seqs", max_num_seqs)
         _check_tier_args(cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes)
         kv_eviction = resolve_eviction(kv_eviction, "kv_eviction")
+        if kv_eviction is KEEP_ALL:
+            kv_eviction = None
         if kv_eviction is not None and tensor_parallel_size != 1:
             raise ValueError("kv_eviction: token eviction does not work with tensor_parallel_size > 1 yet")
         if kv_dtype not in KV_DTYPE_NAMES:

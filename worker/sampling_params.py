@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvstrata.worker.token_eviction import EvictionPolicy, resolve_eviction
+from kvstrata.worker.token_eviction import EvictionPolicy, KeepAll, resolve_eviction
 
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -27,8 +27,9 @@ class SamplingParams:
     ignore_eos: bool = False
     priority: int = 0
     # a token eviction policy for this request (a policy, or a spec such as "h2o(heavy=32, recent=32)");
-    # None: the model's (LLM(kv_eviction=...)), if any. Parsed into a policy at construction.
-    kv_eviction: EvictionPolicy | str | None = None
+    # None: the model's (LLM(kv_eviction=...)), if any; "none" (KEEP_ALL): no eviction, whatever
+    # the model's. Parsed into a policy at construction.
+    kv_eviction: EvictionPolicy | KeepAll | str | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:

@@ -286,12 +286,28 @@ def parse_eviction(spec: str, field_name: str = "kv_eviction") -> EvictionPolicy
         raise ValueError(f"{field_name}: {e}") from None
 
 
-def resolve_eviction(value: object, field_name: str = "kv_eviction") -> EvictionPolicy | None:
-    """None, a policy, or a spec string -> None or a policy; ValueError naming field_name otherwise."""
-    if value is None or isinstance(value, EvictionPolicy):
+class KeepAll:
+    """A request's explicit "none": no token eviction, whatever the engine's default policy."""
+
+    __slots__ = ()
+
+    def spec(self) -> str:
+        return "none"
+
+    def __repr__(self) -> str:
+        return "KEEP_ALL"
+
+
+KEEP_ALL = KeepAll()
+
+
+def resolve_eviction(value: object, field_name: str = "kv_eviction") -> EvictionPolicy | KeepAll | None:
+    """None, a policy, "none" (KEEP_ALL) or a spec string -> None, KEEP_ALL or a policy; ValueError
+    naming field_name otherwise."""
+    if value is None or isinstance(value, (EvictionPolicy, KeepAll)):
         return value
     if isinstance(value, str):
-        return parse_eviction(value, field_name)
+        return KEEP_ALL if value.strip() == "none" else parse_eviction(value, field_name)
     raise ValueError(f"{field_name} must be a policy or a spec string such as h2o(heavy=32, recent=32), got {value!r}")
 
 
