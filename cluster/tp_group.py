@@ -75,7 +75,7 @@ class RankWorker:
 
             tier = None
             if nvme is not None:
-                from kvstrata.tiering.manager import block_shape
+                from kvstrata.tiering.block_copy import block_shape
                 from kvstrata.tiering.nvme import NvmeTier
 
                 tier = NvmeTier(rank_directory(nvme["directory"], self.rank), nvme["capacity_bytes"],

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvstrata.tiering.host import HostTier
-from kvstrata.tiering.manager import TierManager, block_shape
+from kvstrata.tiering.block_copy import block_shape
+from kvstrata.tiering.manager import TierManager
 from kvstrata.tiering.nvme import NvmeTier
 from kvstrata.tiering.rank_mirror import READING, RankTiers, decode_hashes, encode_hashes, read_status
 from kvstrata.worker.prefix_cache import EvictedBlock

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from kvstrata.tiering.admission import AdmissionPolicy
+from kvstrata.tiering.block_copy import copy_to_device, copy_to_host
 from kvstrata.tiering.host import HostTier
 from kvstrata.tiering.rank_mirror import (CLEAR, COMMIT, LOAD, SPILL, TO_DEVICE, TO_HOST, TierOp, encode_hashes,
                                           read_status)
@@ -64,12 +65,6 @@ class TierCounters:
     swap_fallbacks: int = 0  # swaps whose blocks DRAM could not keep: recomputed instead
     spill_drops: int = 0  # DRAM evictions not written to NVMe because too many writes were queued
     admission_rejects: int = 0  # DRAM evictions the admission policy kept off a full NVMe tier
-
-
-def block_shape(kv_cache: torch.Tensor) -> tuple[int, ...]:
-    """One block of a [L, 2, N, B, H, D] cache, block-major: (L, 2, B, H, D)."""
-    num_layers, two, _, block_size, heads, head_dim = kv_cache.shape
-    return (num_layers, two, block_size, heads, head_dim)
 
 
 class TierManager:
@@ -471,32 +466,6 @@ class TierManager:
             self.nvme.flush()
             self.nvme.check_integrity()
 
-
-
-def copy_to_host(kv_cache: torch.Tensor, block_ids: list[int], storage: torch.Tensor, slots: list[int],
-                 kernels=None) -> None:
-    """Pool blocks [L, 2, N, B, H, D] (dim 2) into DRAM slots [S, L, 2, B, H, D] (dim 0): with the
-    CPU kernel, one memcpy per piece; otherwise a gather, then one copy (to pinned memory, on CUDA)."""
-    if not block_ids:
-        return
-    if kernels is not None:
-        kernels.copy_blocks(kv_cache, 2, block_ids, storage, 0, slots)
-        return
-    data = kv_cache.index_select(2, torch.tensor(block_ids, device=kv_cache.device)).permute(2, 0, 1, 3, 4, 5)
-    storage.index_copy_(0, torch.tensor(slots), data.to(storage.device))
-
-
-def copy_to_device(storage: torch.Tensor, slots: list[int], kv_cache: torch.Tensor, block_ids: list[int],
-                   kernels=None) -> None:
-    """DRAM slots back into pool blocks: the inverse of copy_to_host."""
-    if not block_ids:
-        return
-    if kernels is not None:
-        kernels.copy_blocks(storage, 0, slots, kv_cache, 2, block_ids)
-        return
-    data = storage.index_select(0, torch.tensor(slots))
-    dev = kv_cache.device
-    kv_cache.index_copy_(2, torch.tensor(block_ids, device=dev), data.permute(1, 2, 0, 3, 4, 5).to(dev))
 
 
 def _rate(num_bytes: int, seconds: float) -> float:

@@ -27,6 +27,8 @@ from concurrent.futures import Future
 import numpy
 import torch
 
+from kvstrata.tiering.block_copy import block_shape, copy_to_device, copy_to_host
+
 TO_HOST, TO_DEVICE, SPILL, LOAD, COMMIT, CLEAR = 1, 2, 3, 4, 5, 6
 READING = -1  # a load's status while some rank is still reading it
 
@@ -77,8 +79,6 @@ class RankTiers:
     """Another rank's DRAM shard and NVMe tier, driven by rank 0's ops (see the module docstring)."""
 
     def __init__(self, kv_cache: torch.Tensor, num_host_blocks: int, nvme=None, kernels=None):
-        from kvstrata.tiering.manager import block_shape
-
         self.kv_cache = kv_cache
         self.storage = torch.zeros((num_host_blocks, *block_shape(kv_cache)), dtype=kv_cache.dtype,
                                    pin_memory=kv_cache.is_cuda)
@@ -87,8 +87,6 @@ class RankTiers:
         self.loads: dict[int, Future] = {}
 
     def apply(self, ops: list[TierOp]) -> None:
-        from kvstrata.tiering.manager import copy_to_device, copy_to_host
-
         for kind, a, b in ops:
             if kind == TO_HOST:
                 copy_to_host(self.kv_cache, a, self.storage, b, self.kernels)

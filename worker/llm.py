@@ -239,8 +239,9 @@ def _check_tier_args(cpu_kv_bytes: int | None, nvme_kv_dir: str | None, nvme_kv_
 
 def _build_tiers(runner: ModelRunner, block_bytes: int, cpu_kv_bytes: int, nvme_kv_dir: str | None,
                  nvme_kv_bytes: int | None, layout_tag: str, admission):
+    from kvstrata.tiering.block_copy import block_shape
     from kvstrata.tiering.host import HostTier
-    from kvstrata.tiering.manager import TierManager, block_shape
+    from kvstrata.tiering.manager import TierManager
 
     num_host_blocks = cpu_kv_bytes // block_bytes
     if num_host_blocks < 1:
