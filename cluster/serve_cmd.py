@@ -126,9 +126,9 @@ OPTIONS = [
     Option("redis_tls_ca", _text, None, "CA certificate for a rediss:// Redis"),
     Option("address", _text, None, "a Ray cluster to join, e.g. 10.0.0.1:6379 (default: start a local Ray)"),
     Option("max_model_len", _positive, None, "context limit (default: the model's)"),
-    Option("cpu_kv_bytes", _size, None, "a DRAM tier of this size under the KV pool (e.g. 8GiB)"),
+    Option("cpu_kv_bytes", _size, None, "a DRAM tier of this size under the KV pool (e.g. 8GiB), per rank"),
     Option("nvme_kv_dir", _text, None, "an NVMe tier of KV block files in this directory (needs --cpu-kv-bytes)"),
-    Option("nvme_kv_bytes", _size, None, "the NVMe tier's capacity (e.g. 200GiB)"),
+    Option("nvme_kv_bytes", _size, None, "the NVMe tier's capacity (e.g. 200GiB), per rank"),
     Option("kv_dtype", _text, "auto", "store the KV cache as fp16, bf16, fp8_e4m3, fp8_e5m2, int8 or int4 "
            "(lossy, see docs/engine.md); auto: the model's dtype", KV_DTYPE_NAMES),
     Option("kv_eviction", eviction_spec, None, "a token eviction policy for every request (lossy): sliding_window(W), "

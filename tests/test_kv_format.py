@@ -77,11 +77,11 @@ def test_round_trip_error_stays_within_each_formats_bound(name, key):
 
 def _int4_key_step_bound(blocks: torch.Tensor) -> torch.Tensor:
     """blocks [n, bs, Hkv, D] -> the largest step the int4 key fit may pick per block and channel: one
-    of the three smallest one-byte steps (2^(1/8) apart) that cover the range in 15 steps, with the
+    of the three smallest one-byte steps (2^(1/12) apart) that cover the range in 15 steps, with the
     zero point (half steps in a signed byte) at most 64 steps below 0 and 79 above."""
     low, high = blocks.amin(1), blocks.amax(1)
     need = torch.maximum((high - low) / 15, torch.maximum(high / 79.5, low / -64.5))
-    return need * 2 ** (3 / 8)
+    return need * 2 ** (3 / 12)
 
 
 def test_int4_keys_written_token_by_token_stay_close_to_one_shot():
@@ -98,15 +98,17 @@ def test_int4_packs_two_codes_per_byte_low_nibble_first():
     fmt = make_kv_format("int4", D, BS, torch.float32)
     cache = _pool(fmt, num_blocks=1, garbage=False)
     # value channel c = (c % 16) - 8: groups of 8 channels span -8..-1 or 0..7, so every scale is
-    # the step code 160 = 2^0 = 1 (the smallest >= 8/8.5 and >= 7/7.5) and the codes are exact
+    # step code 167 = 2^((167 - 168) / 12) = 0.944, the smallest step >= 8/8.5 and >= 7/7.5, and
+    # the codes are the values themselves (|v / 0.944 - v| < 0.5 for |v| <= 8)
     x = ((torch.arange(D) % 16) - 8).float().view(1, 1, D).expand(1, HKV, D).contiguous()
     fmt.write(cache, x, torch.tensor([0]), key=False)
     row = cache[0, 0, 0]
     codes = (x[0, 0] + 8).int()  # stored unsigned
     assert row[0].item() == int(codes[0]) | (int(codes[1]) << 4)
     assert row[D // 2 - 1].item() == int(codes[D - 2]) | (int(codes[D - 1]) << 4)
-    assert row[D // 2 :].tolist() == [160] * 8  # one scale byte per group of 8 channels
-    assert torch.equal(fmt.read(cache, torch.tensor([0]), key=False)[:1], x)
+    assert row[D // 2 :].tolist() == [167] * 8  # one scale byte per group of 8 channels
+    step = torch.exp2(torch.tensor(-1.0) / 12)
+    assert torch.equal(fmt.read(cache, torch.tensor([0]), key=False)[:1], x * step)
     assert fmt.spec().row_width == D // 2 + 8
 
 
@@ -119,7 +121,7 @@ def test_int4_key_rows_hold_the_blocks_steps_then_zero_points():
     fmt.write(cache, x, torch.arange(BS, 2 * BS), key=True)
     block = cache[1]  # [bs, Hkv, W]
     params = block[:, :, D // 2 :].permute(1, 0, 2).reshape(HKV, BS * 8)  # [Hkv, 128]
-    step = torch.exp2((params[:, :D].float() - 160) / 8)  # [Hkv, D]
+    step = torch.exp2((params[:, :D].float() - 168) / 12)  # [Hkv, D]
     zero = params[:, D:].view(torch.int8).float() / 2
     lo, hi = (block[:, :, : D // 2] & 0xF).float(), (block[:, :, : D // 2] >> 4).float()
     codes = torch.stack([lo, hi], dim=-1).flatten(-2)  # [bs, Hkv, D]
@@ -234,7 +236,9 @@ def test_int4_move_into_a_hole_at_offset_0_keeps_the_blocks_other_keys():
     fmt.move_slots(pool, torch.tensor([BS + 5]), torch.tensor([0]))  # block 1's token 5 -> block 0's hole
     after = fmt.read(pool[0, 0], torch.tensor([0]), True)
     held = torch.cat([before[BS + 5 : BS + 6], before[1:BS]])
-    step = _int4_key_step_bound(held[None])  # [1, Hkv, D]: the block's grid after the move
+    # the block's grid after the move: re-fitted to what it holds, or, where the moved key lies within
+    # half a step of it, the grid it had before (fitted to the block's original keys)
+    step = torch.maximum(_int4_key_step_bound(held[None]), _int4_key_step_bound(x[None, :BS]))  # [1, Hkv, D]
     assert ((after - held).abs() <= step * 0.5 * 1.01 + 1e-6).all()
 
 
