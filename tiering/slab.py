@@ -117,7 +117,8 @@ class SlabFiles:
                 _preallocate(self._fds[k], size, want)
 
     def write(self, slot: int, data: memoryview) -> None:
-        """One pwrite of a whole slot from an aligned buffer; creates the slab on its first write."""
+        """One pwrite from an aligned buffer of whole slots, from `slot` on (a run of adjacent slots
+        in one slab, see run_length); creates the slab on its first write."""
         k, offset = self.geometry.locate(slot)
         if os.pwrite(self._fd(k), data, offset) != len(data):
             raise OSError(errno.EIO, f"short write of slot {slot}")
@@ -126,6 +127,28 @@ class SlabFiles:
         """One pread of a whole slot into an aligned buffer [slot_bytes]."""
         k, offset = self.geometry.locate(slot)
         self.read_at(k, offset, buf)
+
+    def read_run(self, slot: int, bufs: list[torch.Tensor]) -> None:
+        """One preadv of adjacent slots, from `slot` on, each into its own aligned buffer [slot_bytes]."""
+        if len(bufs) == 1:
+            self.read(slot, bufs[0])
+            return
+        k, offset = self.geometry.locate(slot)
+        fd = self._fds.get(k)
+        if fd is None:
+            raise OSError(errno.ENOENT, f"no slab {k}")
+        want = sum(b.numel() for b in bufs)
+        if os.preadv(fd, [memoryview(b.numpy()) for b in bufs], offset) != want:
+            raise ValueError(f"short read at slab {k} offset {offset}")
+
+    def run_length(self, slots: list[int], start: int, limit: int) -> int:
+        """How many of slots[start:] (sorted) are adjacent to slots[start], in its slab, up to limit."""
+        k = slots[start] // self.geometry.slots_per_slab
+        n = 1
+        while (n < limit and start + n < len(slots) and slots[start + n] == slots[start] + n
+               and slots[start + n] // self.geometry.slots_per_slab == k):
+            n += 1
+        return n
 
     def read_at(self, k: int, offset: int, buf: torch.Tensor) -> None:
         fd = self._fds.get(k)

@@ -1,0 +1,185 @@
+"""NvmeTier moves adjacent slots together: a burst of puts is written in runs of adjacent slots, one
+pwrite each, and a batch of reads takes each run of adjacent slots in one preadv. A failed run costs
+only its own blocks, a bad slot inside a run costs only itself, and the runs never cross a slab.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvstrata.tiering import nvme
+from kvstrata.tiering.block_file import ALIGN
+from kvstrata.tiering.slab import SlabFiles, SlabGeometry
+from tests.test_nvme_tier import SLOT, data_of, h, offset_of, patch, same, slab0, slot_bytes, tier_at
+
+NAMES = [f"b{i}" for i in range(8)]
+
+
+@pytest.fixture
+def held_writes(monkeypatch):
+    """Every pwrite is recorded as (first slot, slots); the first one waits for `release`."""
+    started, release = threading.Event(), threading.Event()
+    runs: list[tuple[int, int]] = []
+    write = SlabFiles.write
+
+    def recording_write(self, slot, data):
+        runs.append((slot, len(data) // self.geometry.slot_bytes))
+        if not started.is_set():
+            started.set()
+            assert release.wait(10)
+        return write(self, slot, data)
+
+    monkeypatch.setattr(SlabFiles, "write", recording_write)
+    return started, release, runs
+
+
+def put_burst(tier, held_writes, names=NAMES) -> list:
+    """One put, held in its pwrite, then the rest queued behind it: the IO threads take them in runs."""
+    started, release, _ = held_writes
+    futures = [tier.put(h(names[0]), None, data_of(names[0]))]
+    assert started.wait(10)
+    futures += [tier.put(h(n), h(p), data_of(n)) for p, n in zip(names, names[1:])]
+    release.set()
+    return [f.result(timeout=10) for f in futures]
+
+
+def test_a_burst_of_puts_is_written_in_runs_of_adjacent_slots(tmp_path, held_writes):
+    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=1)
+    assert put_burst(tier, held_writes) == [True] * len(NAMES)
+    runs = held_writes[2]
+    assert runs[0] == (0, 1) and runs[1] == (1, len(NAMES) - 1)  # the seven queued ones in one pwrite
+    assert [offset_of(tier, h(n)) for n in NAMES] == [i * SLOT for i in range(len(NAMES))]
+    assert all(same(got, data_of(n)) for n, got in zip(NAMES, tier.get_many([h(n) for n in NAMES]).result()))
+    tier.check_integrity()
+    tier.close()
+    again = tier_at(tmp_path / "nvme", capacity=16 * SLOT)
+    assert len(again) == len(NAMES) and same(again.get(h("b5")).result(), data_of("b5"))
+    again.check_integrity()
+    again.close()
+
+
+def test_runs_stop_at_the_run_size_and_at_the_end_of_a_slab(tmp_path, held_writes, monkeypatch):
+    monkeypatch.setattr(nvme, "RUN_BYTES", 3 * SLOT)
+    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=1, slab_bytes=5 * SLOT)
+    assert put_burst(tier, held_writes) == [True] * len(NAMES)
+    # slot 0 alone (held), then the queue in takes of 3: slots 1-3, then 4-6 split at the slab's end
+    assert held_writes[2] == [(0, 1), (1, 3), (4, 1), (5, 2), (7, 1)]
+    assert all(same(got, data_of(n)) for n, got in zip(NAMES, tier.get_many([h(n) for n in NAMES]).result()))
+    tier.check_integrity()
+    tier.close()
+
+
+def test_a_failed_run_fails_only_its_own_writes(tmp_path, held_writes, monkeypatch):
+    started, release, runs = held_writes
+    write = SlabFiles.write  # the recording one
+
+    def failing_long_runs(self, slot, data):
+        write(self, slot, data)
+        if len(data) > self.geometry.slot_bytes:
+            raise OSError(5, "injected")
+
+    monkeypatch.setattr(SlabFiles, "write", failing_long_runs)
+    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=1)
+    assert put_burst(tier, held_writes) == [True] + [False] * (len(NAMES) - 1)
+    assert len(tier) == 1 and tier.stats()["write_failures"] == len(NAMES) - 1 and tier.num_pending_writes == 0
+    tier.check_integrity()  # the failed slots were erased and freed
+    tier.close()
+    again = tier_at(tmp_path / "nvme", capacity=16 * SLOT)
+    assert [h(n) in again for n in NAMES] == [True] + [False] * (len(NAMES) - 1)
+    again.close()
+
+
+def test_a_discard_while_queued_or_in_a_run_leaves_the_others(tmp_path, held_writes):
+    started, release, runs = held_writes
+    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=1)
+    first = tier.put(h("b0"), None, data_of("b0"))
+    assert started.wait(10)
+    rest = [tier.put(h(n), None, data_of(n)) for n in NAMES[1:]]
+    assert tier.discard(h("b3")) is True
+    release.set()
+    assert first.result(timeout=10) is True
+    assert [f.result(timeout=10) for f in rest] == [n != "b3" for n in NAMES[1:]]
+    assert h("b3") not in tier and len(tier) == len(NAMES) - 1
+    tier.check_integrity()
+    tier.close()
+
+
+@pytest.fixture
+def recorded_reads(monkeypatch):
+    runs: list[tuple[int, int]] = []
+    read_run = SlabFiles.read_run
+
+    def recording(self, slot, bufs):
+        runs.append((slot, len(bufs)))
+        return read_run(self, slot, bufs)
+
+    monkeypatch.setattr(SlabFiles, "read_run", recording)
+    return runs
+
+
+def filled(tmp_path, n: int = len(NAMES), **kw):
+    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, **kw)
+    for name in NAMES[:n]:
+        assert tier.put(h(name), None, data_of(name)).result() is True  # one by one: slots 0, 1, ...
+    return tier
+
+
+def test_get_many_reads_each_run_of_adjacent_slots_at_once(tmp_path, recorded_reads):
+    tier = filled(tmp_path, num_io_threads=2)
+    asked = ["b6", "b1", "zz", "b0", "b2", "b7", "b5"]  # shuffled, a miss, b3 and b4 left out
+    got = tier.get_many([h(n) for n in asked]).result()
+    assert got[2] is None and all(same(g, data_of(n)) for n, g in zip(asked, got) if n != "zz")
+    # sorted slots 0 1 2 5 6 7, a share of three per IO thread: runs 0-2 and 5-7
+    assert sorted(recorded_reads) == [(0, 3), (5, 3)]
+    tier.check_integrity()
+    tier.close()
+
+
+def test_a_bad_slot_inside_a_run_is_the_only_miss(tmp_path, recorded_reads):
+    tier = filled(tmp_path, num_io_threads=1)
+    in_payload = offset_of(tier, h("b4")) + ALIGN + 10  # the payload starts one page into the slot
+    patch(slab0(tier), in_payload, bytes([slot_bytes(slab0(tier), in_payload, 1)[0] ^ 0xFF]))
+    got = tier.get_many([h(n) for n in NAMES]).result()
+    assert recorded_reads == [(0, len(NAMES))]
+    assert [g is not None for g in got] == [n != "b4" for n in NAMES]
+    assert all(same(g, data_of(n)) for n, g in zip(NAMES, got) if n != "b4")
+    assert h("b4") not in tier and tier.stats()["checksum_failures"] == 1
+    tier.check_integrity()
+    tier.close()
+
+
+def test_a_run_whose_read_fails_is_read_slot_by_slot(tmp_path, monkeypatch):
+    tier = filled(tmp_path, num_io_threads=1)
+    singles = []
+    read = SlabFiles.read
+
+    def failing_run(self, slot, bufs):
+        raise OSError(5, "injected")
+
+    def counting_read(self, slot, buf):
+        singles.append(slot)
+        if slot == 3:
+            raise OSError(5, "injected")
+        return read(self, slot, buf)
+
+    monkeypatch.setattr(SlabFiles, "read_run", failing_run)
+    monkeypatch.setattr(SlabFiles, "read", counting_read)
+    got = tier.get_many([h(n) for n in NAMES]).result()
+    assert singles == list(range(len(NAMES)))
+    assert [g is not None for g in got] == [n != "b3" for n in NAMES]
+    assert h("b3") not in tier and len(tier) == len(NAMES) - 1
+    tier.check_integrity()
+    tier.close()
+
+
+def test_run_length_keeps_runs_adjacent_within_a_slab():
+    geometry = SlabGeometry(slot_bytes=SLOT, num_slots=20, slots_per_slab=4)
+    files = SlabFiles(None, geometry, 0)
+    slots = [0, 1, 2, 3, 4, 5, 7, 8, 9]
+    lengths, i = [], 0
+    while i < len(slots):
+        lengths.append(files.run_length(slots, i, limit=3))
+        i += lengths[-1]
+    assert lengths == [3, 1, 2, 1, 2]  # 0-2 (limit), 3 (slab end), 4-5, 7 (slab end), 8-9

@@ -1,0 +1,46 @@
+"""One NVMe slot's bytes: a block staged for a write, and a block checked after a read.
+
+    a slot: [ header | 0 pad | payload        | 0 tail ]
+            0        L       P                P+len    slot_bytes
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import replace
+
+import numpy
+import torch
+
+from kvstrata.tiering.block_file import BlockHeader, head_len
+
+
+def stage(slot: torch.Tensor, header: BlockHeader, data: torch.Tensor) -> None:
+    """Fill a slot's buffer [slot_bytes] with the header (its CRC computed here) and the block's bytes."""
+    offset = header.payload_offset  # P
+    end = offset + header.payload_len
+    payload = slot[offset:end]  # [payload_len]
+    # numpy's copy is one memcpy without the GIL; torch's would start an OpenMP team in each IO thread
+    numpy.copyto(payload.numpy(), data.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    slot[end:].zero_()  # another block's bytes must not reach this slot, even where no one reads
+    # the CRC is of the staged bytes, so a caller changing `data` meanwhile cannot tear the slot
+    memoryview(slot.numpy())[:offset] = replace(header, payload_crc=zlib.crc32(payload.numpy())).pack()
+
+
+def unstage(buf: torch.Tensor, block_hash: bytes, is_our_layout, dtype: torch.dtype,
+            shape: tuple[int, ...]) -> torch.Tensor:
+    """The block in a slot just read [slot_bytes], as a view of its payload; ValueError for a bad
+    slot: no header, another block, another layout, or a payload that fails its checksum."""
+    view = memoryview(buf.numpy())
+    header = BlockHeader.parse(view)
+    if header.block_hash != block_hash:
+        raise ValueError("identity mismatch: the slot holds another block")
+    if not is_our_layout(header):
+        raise ValueError("layout mismatch")
+    offset = head_len(view)
+    if offset + header.payload_len > len(view):
+        raise ValueError("payload overruns the slot")
+    payload = buf[offset:offset + header.payload_len]  # [payload_len]
+    if zlib.crc32(payload.numpy()) != header.payload_crc:
+        raise ValueError("payload checksum mismatch")
+    return payload.view(dtype).view(shape)
