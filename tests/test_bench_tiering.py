@@ -124,6 +124,16 @@ def test_quick_run_loads_blocks_from_nvme(report):
 
 @pytest.mark.slow
 @needs_model
+def test_quick_run_probes_the_nvme_tier_alone_on_the_chat_layout(report):
+    probe = report.tier_probe
+    assert probe is not None and probe.num_blocks >= 2 and len(probe.rounds) == 3
+    assert probe.slot_bytes >= report.block_bytes  # the chat's own block, plus its header
+    assert all(r.write_new > 0 and r.write_reused > 0 and r.read > 0 for r in probe.rounds)
+    assert report.to_json()["tier_probe"]["num_blocks"] == probe.num_blocks
+
+
+@pytest.mark.slow
+@needs_model
 def test_quick_run_greedy_outputs_do_not_depend_on_the_tiers(report):
     answers = [[t.output_token_ids for t in c.turns] for c in report.configs]
     assert answers[0] == answers[1] == answers[2] and report.outputs_identical

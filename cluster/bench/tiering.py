@@ -12,7 +12,8 @@ tier; + the same DRAM over an NVMe tier that holds everything, so that each run 
 answers of fixed length make the three runs the same workload. TTFT is the time from `add_request` to
 the end of the step that samples the first token. Transfer rates come from the tiers' own counters and
 are compared with a memcpy and with sequential file writes and reads on the NVMe tier's disk, in the
-tier's own IO mode (O_DIRECT where the filesystem has it), measured first.
+tier's own IO mode (O_DIRECT where the filesystem has it), measured first. Then the NVMe tier runs
+alone on the chat's block layout, round by round beside the disk (tier_probe.py).
 
 The admission study (`kvstrata.cluster.bench.admission`) runs the NVMe config once per NVMe
 admission mode, with one-shot prompts mixed into the chat and a disk that holds only part of it.
@@ -31,6 +32,7 @@ from typing import Any
 
 from kvstrata.cluster.bench.bandwidth import MB, DiskRates, References, measure_references
 from kvstrata.cluster.bench.throughput import Progress, percentile
+from kvstrata.cluster.bench.tier_probe import TierProbe, probe_nvme_tier
 from kvstrata.cluster.bench.workloads import multi_turn
 from kvstrata.worker.model_source import DEFAULT_MODEL
 
@@ -278,6 +280,7 @@ class TieringReport:
     block_bytes: int
     references: References
     configs: list[ConfigResult]
+    tier_probe: TierProbe | None = None  # the NVMe tier alone, beside the disk
 
     def config(self, name: str) -> ConfigResult:
         return next(c for c in self.configs if c.name == name)
@@ -299,6 +302,7 @@ class TieringReport:
             Transfer("DRAM demote", dram.get("demote_gb_per_s") or None, "memcpy", ref.memcpy / 1e9),
             Transfer("DRAM promote", dram.get("promote_gb_per_s") or None, "memcpy", ref.memcpy / 1e9),
             *nvme_transfers(nvme, ref.disk),
+            *probe_transfers(self.tier_probe),
         ]
 
     def targets(self) -> list[Target]:
@@ -317,6 +321,10 @@ class TieringReport:
             detail = ("no follow-up turn hit here and missed on the device pool" if p.median_speedup is None else
                       f"median {p.median_speedup:.2f}x faster over {p.num_pairs} turns that missed on the device pool")
             out.append(Target(f"TTFT improves on a hit ({tiered.label})", met, detail))
+        return out + self.transfer_targets()
+
+    def transfer_targets(self) -> list[Target]:
+        out = []
         for tr in self.transfers():
             met = None if tr.ratio is None else tr.ratio >= TARGET_BANDWIDTH_RATIO
             detail = ("nothing moved" if tr.ratio is None else
@@ -337,6 +345,7 @@ class TieringReport:
             "outputs_identical": self.outputs_identical,
             "configs": [{**c.summary(), "turns": [_turn_json(t) for t in c.turns]} for c in self.configs],
             "ttft_on_hit": {c.name: asdict(paired_ttft(self.configs[0], c)) for c in self.configs[1:]},
+            "tier_probe": None if self.tier_probe is None else self.tier_probe.to_json(),
             "transfers": [{**asdict(t), "ratio": _round(t.ratio, 3)} for t in self.transfers()],
             "targets": [asdict(t) for t in self.targets()],
         }
@@ -358,6 +367,24 @@ def nvme_transfers(nvme: dict[str, Any], disk: DiskRates) -> list[Transfer]:
                  write_ref[0], write_ref[1] / 1e9),
         Transfer("NVMe read", _rate(nvme.get("bytes_read", 0), nvme.get("read_busy_seconds", 0)),
                  read_ref[0], read_ref[1] / 1e9),
+    ]
+
+
+def probe_transfers(probe: TierProbe | None) -> list[Transfer]:
+    """The tier alone (medians over the probe's rounds) against the O_DIRECT IO of the same rounds;
+    none without a probe, or where the filesystem has no O_DIRECT to compare with."""
+    if probe is None or not probe.direct_io:
+        return []
+    raw_write, raw_read = probe.median("raw_write"), probe.median("raw_read")
+    if raw_write is None or raw_read is None:
+        return []
+    rounds = "sequential O_DIRECT {}, same rounds"
+    return [
+        Transfer("NVMe write alone, new space", probe.median("write_new") / 1e9, rounds.format("write"),
+                 raw_write / 1e9),
+        Transfer("NVMe write alone, reused slots", probe.median("write_reused") / 1e9, rounds.format("write"),
+                 raw_write / 1e9),
+        Transfer("NVMe read alone", probe.median("read") / 1e9, rounds.format("read"), raw_read / 1e9),
     ]
 
 
@@ -390,6 +417,7 @@ def run_tiering_bench(settings: TieringSettings, nvme_dir: Path,
     messages = settings.chat.user_messages()
     results: list[ConfigResult] = []
     block_bytes = None
+    layout = None  # the NVMe tier's block shape and dtype, for the probe
     for name in CONFIGS:
         dram_blocks, nvme_blocks = settings.tier_blocks(name)
         llm = LLM(settings.model, num_gpu_blocks=settings.gpu_blocks, block_size=BLOCK_SIZE, dtype=settings.dtype,
@@ -400,12 +428,16 @@ def run_tiering_bench(settings: TieringSettings, nvme_dir: Path,
             wall, turns = run_chat(llm, messages, settings.chat.answer_len, clock, label=name)
             results.append(ConfigResult(name, _label(settings.gpu_blocks, dram_blocks, nvme_blocks), dram_blocks,
                                         nvme_blocks, wall, turns, llm.cache_stats().get("tiers")))
+            tier = llm.engine.kv.tiers.nvme if llm.engine.kv.tiers is not None else None
+            if tier is not None:
+                layout = (tier.block_shape, tier.dtype)
             llm.reset_prefix_cache()  # every block gone from the tier (its slab files stay, headers zeroed)
         finally:
             llm.close()
         del llm
         gc.collect()
-    return TieringReport(settings, block_bytes, references, results)
+    probe = None if layout is None else probe_nvme_tier(nvme_dir, *layout, settings.disk_probe_bytes)
+    return TieringReport(settings, block_bytes, references, results, probe)
 
 
 def _tier_kwargs(dram_blocks: int | None, nvme_blocks: int | None, nvme_dir: Path,

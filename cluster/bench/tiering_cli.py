@@ -54,6 +54,10 @@ def format_report(r: TieringReport) -> str:
                  f"{disk.write / 1e9:.2f} GB/s buffered, {disk.write_fsync / 1e9:.2f} with fsync; read "
                  f"{disk.read_cold / 1e9:.2f} from disk, {disk.read_warm / 1e9:.2f} from the page cache; {direct}")
     lines.append("NVMe rates are bytes over the wall time with IO of that kind in flight, across the IO threads")
+    if r.tier_probe is not None:
+        tp = r.tier_probe
+        lines.append(f"NVMe tier alone: {tp.num_blocks} blocks ({tp.num_blocks * tp.slot_bytes / 1e6:.0f} MB) each way, "
+                     f"medians of {len(tp.rounds)} rounds, each beside one thread's 8 MB O_DIRECT IO of the same bytes")
     lines.append("targets:")
     for t in r.targets():
         mark = {True: "met", False: "MISSED", None: "n/a"}[t.met]

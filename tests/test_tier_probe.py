@@ -1,0 +1,66 @@
+"""The NVMe tier probe of `kvstrata bench tiering`: real IO through a tier on a tiny layout, the
+medians it reports, and how its rows enter the transfer table and the targets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstrata.cluster.bench.bandwidth import DiskRates, References
+from kvstrata.cluster.bench.tier_probe import PROBE_DIR, ProbeRound, TierProbe, probe_nvme_tier
+from kvstrata.cluster.bench.tiering import ChatShape, ConfigResult, TieringReport, TieringSettings, probe_transfers
+
+SHAPE = (2, 2, 4, 2, 32)  # 4 KB of float32: one payload page
+
+
+def test_probe_moves_real_blocks_and_leaves_nothing_behind(tmp_path):
+    probe = probe_nvme_tier(tmp_path, SHAPE, torch.float32, 64 * 4096, rounds=2)
+    assert probe.num_blocks == 64 and probe.slot_bytes == 2 * 4096  # a header page, a payload page
+    assert len(probe.rounds) == 2
+    for r in probe.rounds:
+        assert r.write_new > 0 and r.write_reused > 0 and r.read > 0
+        assert (r.raw_write is None) == (r.raw_read is None)
+    assert not (tmp_path / PROBE_DIR).exists() and list(tmp_path.iterdir()) == []
+    gb = probe.to_json()["median_gb_per_s"]
+    assert gb["read"] == pytest.approx(probe.median("read") / 1e9, abs=1e-3)
+
+
+def test_probe_of_a_quantized_layout(tmp_path):
+    probe = probe_nvme_tier(tmp_path, (2, 2, 4, 40), torch.uint8, 10 * 640, rounds=1)
+    assert probe.num_blocks == 10 and probe.rounds[0].read > 0
+
+
+def test_probe_rejects_zero_rounds(tmp_path):
+    with pytest.raises(ValueError, match="rounds"):
+        probe_nvme_tier(tmp_path, SHAPE, torch.float32, 4096, rounds=0)
+
+
+def _probe(direct: bool, raw_read: float | None = 2e9) -> TierProbe:
+    rounds = [ProbeRound(1e9, 3e9, 1.5e9, 2e9, raw_read), ProbeRound(2e9, 1e9, 1.9e9, 4e9, raw_read),
+              ProbeRound(1.5e9, 2e9, 1.7e9, 3e9, raw_read)]
+    return TierProbe(10, 8192, direct, rounds)
+
+
+def test_probe_rows_are_medians_against_the_same_rounds():
+    rows = {t.name: t for t in probe_transfers(_probe(direct=True))}
+    assert set(rows) == {"NVMe write alone, new space", "NVMe write alone, reused slots", "NVMe read alone"}
+    assert rows["NVMe write alone, new space"].gb_per_s == pytest.approx(1.5)  # median of 1, 2, 1.5
+    assert rows["NVMe write alone, new space"].reference_gb_per_s == pytest.approx(3.0)  # median of 2, 4, 3
+    assert rows["NVMe write alone, reused slots"].ratio == pytest.approx(2 / 3)
+    assert rows["NVMe read alone"].ratio == pytest.approx(1.7 / 2)
+
+
+def test_no_probe_rows_without_o_direct_to_compare_with():
+    assert probe_transfers(None) == []
+    assert probe_transfers(_probe(direct=False)) == []
+    assert probe_transfers(_probe(direct=True, raw_read=None)) == []
+
+
+def test_probe_rows_are_judged_as_targets():
+    chat = ChatShape(1, 2, 16, 16, 4)
+    configs = [ConfigResult(name, name, None, None, 1.0, []) for name in ("device", "dram", "nvme")]
+    refs = References(10e9, DiskRates(2e9, 1e9, 1e9, 5e9, 1.2e9, 0.9e9))
+    report = TieringReport(TieringSettings(chat, 4), 1000, refs, configs, _probe(direct=True))
+    met = {t.name: t.met for t in report.transfer_targets()}
+    assert met["NVMe read alone >= 80% of sequential O_DIRECT read, same rounds"] is True  # 85%
+    assert met["NVMe write alone, new space >= 80% of sequential O_DIRECT write, same rounds"] is False  # 50%
