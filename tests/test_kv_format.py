@@ -405,10 +405,45 @@ def test_the_c_decode_kernel_reads_quantized_rows_in_place_like_the_torch_path(n
     ref = _decode_attention(q, k_cache, v_cache, tables, mask, 0.125, fmt)
     # the same math in another summation order: fp32 rounding, with outlier channels of ~40, up to ~6e-5
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-    assert fmt.kernel_readable and not make_kv_format("int4", D, BS, torch.float32).kernel_readable
+    assert fmt.kernel_readable
     if name != "bf16":
         with pytest.raises(ValueError, match="code table"):
             kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+
+
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (64, 32), (128, 16), (48, 8)],
+                         ids=["d64-bs16", "d64-bs32", "d128-bs16", "d48-bs8-generic"])
+def test_the_c_decode_kernel_reads_int4_rows_in_place_like_the_torch_path(head_dim, block_size):
+    """int4 keys decode per block (steps and zero points spread over the block's rows), values per
+    row (a scale per group of channels); every head size and block size the formats allow."""
+    from kvstrata.worker.attention import _decode_attention
+    from kvstrata.worker.cpu_kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("the C kernels cannot be built here (no compiler)")
+    fmt = make_kv_format("int4", head_dim, block_size, torch.float32)
+    assert fmt.kernel_readable
+    num_blocks, hkv = 24, 2
+    g = torch.Generator().manual_seed(4)
+    width = fmt.spec().row_width
+    k_cache = torch.randint(0, 256, (num_blocks, block_size, hkv, width), dtype=torch.uint8, generator=g)
+    v_cache = torch.randint(0, 256, (num_blocks, block_size, hkv, width), dtype=torch.uint8, generator=g)
+    slots = torch.arange(num_blocks * block_size)
+    keys = torch.randn(len(slots), hkv, head_dim, generator=g) + 2 * torch.randn(1, hkv, head_dim, generator=g)
+    keys[..., 3] *= 20  # an outlier channel, as real keys have
+    fmt.write(k_cache, keys, slots, key=True)
+    fmt.write(v_cache, torch.randn(len(slots), hkv, head_dim, generator=g), slots, key=False)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:12] for _ in range(3)])
+    lens = torch.tensor([12 * block_size, 5 * block_size + 3, 1])
+    q = torch.randn(3, 4 * hkv, head_dim, generator=g)
+    out = kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, fmt.code_table, fmt.int4_value_group)
+    mask = (torch.arange(12 * block_size)[None, :] < lens[:, None]).view(3, 1, 1, -1)
+    ref = _decode_attention(q, k_cache, v_cache, tables, mask, 0.125, fmt)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="int4 rows"):
+        kernels.paged_decode(q, k_cache[..., :-1].contiguous(), v_cache[..., :-1].contiguous(), tables, lens, 0.125,
+                             fmt.code_table, 3 if head_dim % 3 else 5)
 
 
 @needs_model

@@ -83,9 +83,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
             scale: float) -> torch.Tensor:
     if meta.cpu_kernels is not None:
-        table = meta.kv_format.code_table if meta.kv_format is not None else None  # None for float rows
+        fmt = meta.kv_format
+        table = fmt.code_table if fmt is not None else None  # None for float rows
+        group = fmt.int4_value_group if fmt is not None else None
         return meta.cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                             scale, table)
+                                             scale, table, group)
     return _decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale, meta.kv_format)
 
 

@@ -45,6 +45,8 @@ class CpuKernels:
             fn.restype = None
         lib.kvs_paged_decode_codes.argtypes = args + [ctypes.c_void_p]
         lib.kvs_paged_decode_codes.restype = None
+        lib.kvs_paged_decode_int4.argtypes = args + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        lib.kvs_paged_decode_int4.restype = None
         for fn in (lib.kvs_gemm_f32, lib.kvs_gemm_bf16):
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
             fn.restype = None
@@ -61,9 +63,10 @@ class CpuKernels:
 
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     code_table: torch.Tensor | None = None) -> torch.Tensor:
-        """q: [B, H, D]; caches: [num_blocks, bs, Hkv, D] (fp32 or bf16), or byte-code rows [.., D + 2]
-        (uint8: D codes and an fp16 scale) decoded through code_table [256] float32;
+                     code_table: torch.Tensor | None = None, int4_value_group: int | None = None) -> torch.Tensor:
+        """q: [B, H, D]; caches: [num_blocks, bs, Hkv, D] (fp32 or bf16), byte-code rows [.., D + 2]
+        (uint8: D codes and an fp16 scale) decoded through code_table [256] float32, or with
+        int4_value_group, int4 rows [.., D/2 + E] (kv_format.py) whose scale bytes code_table decodes;
         block_tables: [B, W] int64; seq_lens: [B] int64."""
         batch, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -84,6 +87,13 @@ class CpuKernels:
         if k_cache.dtype == torch.uint8:
             if code_table is None or code_table.dtype != torch.float32 or code_table.numel() != 256:
                 raise ValueError("byte-code K/V rows need a 256-entry float32 code table")
+            if int4_value_group is not None:
+                extra = k_cache.shape[-1] - head_dim // 2
+                if head_dim % 2 or extra <= 0 or head_dim % int4_value_group or 2 * head_dim > block_size * extra:
+                    raise ValueError(f"int4 rows of {k_cache.shape[-1]} bytes do not fit head_dim {head_dim}, "
+                                     f"block_size {block_size} and value group {int4_value_group}")
+                self._lib.kvs_paged_decode_int4(*common, code_table.contiguous().data_ptr(), extra, int4_value_group)
+                return out if q.dtype == torch.float32 else out.to(q.dtype)
             if k_cache.shape[-1] != head_dim + 2:
                 raise ValueError(f"byte-code rows hold head_dim + 2 bytes, got {k_cache.shape[-1]}")
             self._lib.kvs_paged_decode_codes(*common, code_table.contiguous().data_ptr())

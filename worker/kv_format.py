@@ -69,13 +69,18 @@ class KVFormat(ABC):
 
     @property
     def kernel_readable(self) -> bool:
-        """The C decode kernel reads this pool in place: fp32 or bf16 rows, or one-byte codes."""
+        """The C decode kernel reads this pool in place: fp32 or bf16 rows, one-byte codes, or int4."""
         return self.code_table is not None
 
     @property
     def code_table(self) -> torch.Tensor | None:
-        """For one-byte codes with a row scale: each code's value [256] float32 (the C decode kernel
-        reads such rows in place); None for other formats."""
+        """For one-byte codes with a row scale: each code's value [256] float32; for int4, each
+        scale byte's step. The C decode kernel reads such rows in place. None for other formats."""
+        return None
+
+    @property
+    def int4_value_group(self) -> int | None:
+        """Channels per int4 value scale, for the C decode kernel; None for other formats."""
         return None
 
     def bytes_per_token_head(self) -> int:
@@ -170,6 +175,14 @@ class Int4Format(KVFormat):
 
     def spec(self) -> CacheSpec:
         return CacheSpec(self.head_dim // 2 + self.extra, torch.uint8)
+
+    @property
+    def code_table(self) -> torch.Tensor:
+        return _STEP_TABLE
+
+    @property
+    def int4_value_group(self) -> int:
+        return self.v_group
 
     def move_slots(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Values carry their scales in their own row and move as bytes. Keys share their block's
@@ -281,6 +294,9 @@ _KEY_STEP_CANDIDATES = 3
 def _decode_step(code: torch.Tensor) -> torch.Tensor:
     """Step codes (uint8) -> steps (float32)."""
     return torch.exp2((code.float() - _LOG_BIAS) / _LOG_PER_OCTAVE)
+
+
+_STEP_TABLE = _decode_step(torch.arange(256))  # each step code's step, for the C decode kernel
 
 
 def _encode_step(step: torch.Tensor) -> torch.Tensor:

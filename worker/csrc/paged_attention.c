@@ -6,8 +6,13 @@
  * accumulators live in registers; scores of 16 tokens are reduced together (transpose_sum16).
  *
  *   k_cache, v_cache: [num_blocks, block_size, Hkv, row]: fp32 rows of D, bf16 rows of D stored as
- *                     uint16, or byte-code rows: D one-byte codes (int8 or fp8, decoded through a
- *                     256-entry table) followed by the row's fp16 scale
+ *                     uint16, byte-code rows: D one-byte codes (int8 or fp8, decoded through a
+ *                     256-entry table) followed by the row's fp16 scale, or int4 rows: D/2 bytes of
+ *                     two 4-bit codes (channel 2i low) and E bytes of one-byte log-coded scales
+ *                     (the table maps a scale byte to its step). A value row's E bytes scale its
+ *                     channel groups: v = (code - 8) * step[group]. A key block's rows' E bytes,
+ *                     taken together, are the block's D step codes, then D zero points (signed,
+ *                     half steps): k = (code - zero[c]) * step[c], decoded once per block and head.
  *   q, out:           [B, H, D] float32 (the caller converts bf16); q's rows are q_stride floats apart
  *   block_tables:     [B, W] int64, seq_lens: [B] int64 (tokens to attend, this step's included)
  *
@@ -94,7 +99,15 @@ static inline __attribute__((always_inline)) v16f transpose_sum16(const v16f *p)
 #undef PAIRS
 }
 
-enum { ROW_F32 = 0, ROW_BF16 = 1, ROW_CODES = 2 };
+enum { ROW_F32 = 0, ROW_BF16 = 1, ROW_CODES = 2, ROW_INT4 = 3 };
+
+/* How the pool's rows are stored. */
+typedef struct {
+    int kind;
+    const float *lut;  /* ROW_CODES: each code's value; ROW_INT4: each scale byte's step */
+    int64_t extra;     /* ROW_INT4: scale bytes after a row's D/2 code bytes */
+    int64_t v_group;   /* ROW_INT4: channels per value scale */
+} RowFormat;
 
 static inline float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, u;
@@ -109,23 +122,58 @@ static inline float f16_to_f32(uint16_t h) {
 }
 
 /* Bytes of one head's row of one token. */
-static inline int64_t head_row_bytes(int kind, int64_t d) {
-    return kind == ROW_F32 ? 4 * d : kind == ROW_BF16 ? 2 * d : d + 2;
+static inline int64_t head_row_bytes(const RowFormat *f, int64_t d) {
+    switch (f->kind) {
+    case ROW_F32: return 4 * d;
+    case ROW_BF16: return 2 * d;
+    case ROW_CODES: return d + 2;
+    default: return d / 2 + f->extra;
+    }
 }
 
-/* Row `row` of the cache (d values) as float32: fp32 is used in place, the others are decoded into buf. */
+/* An int4 key block's parameters for one head: kp[0..d) the steps, kp[d..2d) the zero points (in codes). */
+static void int4_key_params(const uint8_t *cache, int64_t block, int64_t bs, int64_t num_kv_heads, int64_t kv_head,
+                            int64_t d, const RowFormat *f, float *kp) {
+    int64_t row_bytes = d / 2 + f->extra;
+    for (int64_t p = 0; p < 2 * d; p++) {
+        int64_t t = p / f->extra, o = p % f->extra;
+        uint8_t b = cache[((block * bs + t) * num_kv_heads + kv_head) * row_bytes + d / 2 + o];
+        kp[p] = p < d ? f->lut[b] : (float)(int8_t)b * 0.5f;
+    }
+}
+
+/* Row `row` of the cache (d values) as float32: fp32 is used in place, the others are decoded into
+ * buf. kp: an int4 key row's block parameters (int4_key_params); NULL for value rows. */
 static inline __attribute__((always_inline)) const float *load_row(const void *cache, int64_t row, int64_t d,
-                                                                   int kind, const float *lut, float *buf) {
-    if (kind == ROW_F32) return (const float *)cache + row * d;
-    if (kind == ROW_BF16) {
+                                                                   const RowFormat *f, const float *kp, float *buf) {
+    if (f->kind == ROW_F32) return (const float *)cache + row * d;
+    if (f->kind == ROW_BF16) {
         const uint16_t *src = (const uint16_t *)cache + row * d;
 #pragma omp simd
         for (int64_t i = 0; i < d; i++) buf[i] = bf16_to_f32(src[i]);
         return buf;
     }
-    const uint8_t *src = (const uint8_t *)cache + row * (d + 2);
-    float sc = f16_to_f32((uint16_t)(src[d] | (src[d + 1] << 8)));
-    for (int64_t i = 0; i < d; i++) buf[i] = lut[src[i]] * sc;
+    if (f->kind == ROW_CODES) {
+        const uint8_t *src = (const uint8_t *)cache + row * (d + 2);
+        float sc = f16_to_f32((uint16_t)(src[d] | (src[d + 1] << 8)));
+        for (int64_t i = 0; i < d; i++) buf[i] = f->lut[src[i]] * sc;
+        return buf;
+    }
+    const uint8_t *src = (const uint8_t *)cache + row * (d / 2 + f->extra);
+    if (kp != NULL) {
+#pragma omp simd
+        for (int64_t i = 0; i < d / 2; i++) {
+            buf[2 * i] = ((float)(src[i] & 15) - kp[d + 2 * i]) * kp[2 * i];
+            buf[2 * i + 1] = ((float)(src[i] >> 4) - kp[d + 2 * i + 1]) * kp[2 * i + 1];
+        }
+        return buf;
+    }
+    const uint8_t *scales = src + d / 2;
+    for (int64_t g = 0, c = 0; c < d; g++) {
+        float sc = f->lut[scales[g]];
+        for (int64_t end = c + f->v_group; c < end; c++)
+            buf[c] = ((float)((src[c / 2] >> (4 * (c & 1))) & 15) - 8.0f) * sc;
+    }
     return buf;
 }
 
@@ -135,15 +183,16 @@ static inline __attribute__((always_inline)) const float *load_row(const void *c
  * output accumulators stay in registers, and each K/V row of the head is read once per block. */
 static inline __attribute__((always_inline)) void decode_queries(
     const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, float *out,
-    int64_t kv_head, int64_t num_kv_heads, const int NQ, const int DV, int64_t bs, float scale, int kind,
-    const float *lut, float *work) {
+    int64_t kv_head, int64_t num_kv_heads, const int NQ, const int DV, int64_t bs, float scale, const RowFormat *f,
+    float *work) {
     const int64_t d = 16 * DV;
     v16f qv[QMAX][128 / 16], acc[QMAX][128 / 16];
     float m[QMAX], l[QMAX];
     int64_t bs16 = (bs + 15) / 16 * 16;
     v16f *part = (v16f *)work;           /* [NQ][16] per-token partial products */
     float *s = (float *)(part + QMAX * 16); /* [NQ][bs16] scores, then probabilities, of one block */
-    float *buf = s + QMAX * bs16;        /* [d] a bf16 row widened to float */
+    float *buf = s + QMAX * bs16;        /* [d] a row decoded to float */
+    float *kp = buf + d;                 /* [2d] an int4 key block's steps and zero points */
     UNROLL for (int g = 0; g < NQ; g++) {
         UNROLL for (int i = 0; i < DV; i++) {
             qv[g][i] = load16(q + g * d + 16 * i) * scale;
@@ -152,10 +201,12 @@ static inline __attribute__((always_inline)) void decode_queries(
         m[g] = -1e30f;
         l[g] = 0.0f;
     }
-    int64_t num_blocks = (ctx + bs - 1) / bs, head_bytes = head_row_bytes(kind, d);
+    int64_t num_blocks = (ctx + bs - 1) / bs, head_bytes = head_row_bytes(f, d);
+    const float *key_params = f->kind == ROW_INT4 ? kp : NULL;
     for (int64_t ib = 0; ib < num_blocks; ib++) {
         int64_t block = table[ib];
         int64_t n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
+        if (key_params != NULL) int4_key_params(k_cache, block, bs, num_kv_heads, kv_head, d, f, kp);
         /* blocks sit anywhere in the pool, out of the hardware prefetcher's sight: while a token is
          * scored, ask for the same row of the next block (K and V, this head only) */
         const char *next_k = NULL, *next_v = NULL;
@@ -177,7 +228,7 @@ static inline __attribute__((always_inline)) void decode_queries(
                         }
                     }
                     const float *kr = load_row(k_cache, (block * bs + j0 + j) * num_kv_heads + kv_head, d,
-                                               kind, lut, buf);
+                                               f, key_params, buf);
                     v16f kv[128 / 16];
                     UNROLL for (int i = 0; i < DV; i++) kv[i] = load16(kr + 16 * i);
                     UNROLL for (int g = 0; g < NQ; g++) {
@@ -218,7 +269,7 @@ static inline __attribute__((always_inline)) void decode_queries(
         }
         /* weighted values */
         for (int64_t j = 0; j < n; j++) {
-            const float *vr = load_row(v_cache, (block * bs + j) * num_kv_heads + kv_head, d, kind, lut, buf);
+            const float *vr = load_row(v_cache, (block * bs + j) * num_kv_heads + kv_head, d, f, NULL, buf);
             v16f vv[128 / 16];
             UNROLL for (int i = 0; i < DV; i++) vv[i] = load16(vr + 16 * i);
             UNROLL for (int g = 0; g < NQ; g++) {
@@ -239,15 +290,17 @@ static inline __attribute__((always_inline)) void decode_queries(
 /* A generic head size (not a multiple of 16, or above 128): one query at a time, scalar dots. */
 static void decode_query_generic(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
                                  int64_t ctx, float *out, int64_t kv_head, int64_t num_kv_heads, int64_t d,
-                                 int64_t bs, float scale, int kind, const float *lut, float *work) {
-    float *s = work, *buf = s + bs, *acc = buf + d;
+                                 int64_t bs, float scale, const RowFormat *f, float *work) {
+    float *s = work, *buf = s + bs, *acc = buf + d, *kp = acc + d;
+    const float *key_params = f->kind == ROW_INT4 ? kp : NULL;
     float m = -1e30f, l = 0.0f;
     for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
     int64_t num_blocks = (ctx + bs - 1) / bs;
     for (int64_t ib = 0; ib < num_blocks; ib++) {
         int64_t block = table[ib], n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
+        if (key_params != NULL) int4_key_params(k_cache, block, bs, num_kv_heads, kv_head, d, f, kp);
         for (int64_t j = 0; j < n; j++) {
-            const float *kr = load_row(k_cache, (block * bs + j) * num_kv_heads + kv_head, d, kind, lut, buf);
+            const float *kr = load_row(k_cache, (block * bs + j) * num_kv_heads + kv_head, d, f, key_params, buf);
             float t = 0.0f;
             for (int64_t i = 0; i < d; i++) t += q[i] * kr[i];
             s[j] = t * scale;
@@ -261,7 +314,7 @@ static void decode_query_generic(const float *q, const void *k_cache, const void
         }
         for (int64_t i = 0; i < d; i++) acc[i] *= corr;
         for (int64_t j = 0; j < n; j++) {
-            const float *vr = load_row(v_cache, (block * bs + j) * num_kv_heads + kv_head, d, kind, lut, buf);
+            const float *vr = load_row(v_cache, (block * bs + j) * num_kv_heads + kv_head, d, f, NULL, buf);
             for (int64_t i = 0; i < d; i++) acc[i] += s[j] * vr[i];
         }
         m = mx;
@@ -274,12 +327,12 @@ static void decode_query_generic(const float *q, const void *k_cache, const void
 /* All queries of one (sequence, KV head) pair, in register-sized chunks. */
 static inline __attribute__((always_inline)) void decode_head(
     const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, float *out,
-    int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t d, int64_t bs, float scale, int kind,
-    const float *lut, float *work) {
+    int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t d, int64_t bs, float scale, const RowFormat *f,
+    float *work) {
     if (d != 64 && d != 128) {
         for (int64_t g = 0; g < group; g++)
             decode_query_generic(q + g * d, k_cache, v_cache, table, ctx, out + g * d, kv_head, num_kv_heads, d, bs,
-                                 scale, kind, lut, work);
+                                 scale, f, work);
         return;
     }
     int64_t chunk = d == 64 ? QMAX : QMAX / 2;
@@ -289,7 +342,7 @@ static inline __attribute__((always_inline)) void decode_head(
         float *oc = out + g0 * d;
         /* constant query counts and head sizes let each variant keep its state in registers */
 #define VARIANT(NQ, DV) decode_queries(qc, k_cache, v_cache, table, ctx, oc, kv_head, num_kv_heads, NQ, DV, bs, \
-                                       scale, kind, lut, work)
+                                       scale, f, work)
         if (d == 64) {
             if (nq == 4) VARIANT(4, 4);
             else if (nq == 3) VARIANT(3, 4);
@@ -306,10 +359,10 @@ static inline __attribute__((always_inline)) void decode_head(
 static void decode_all(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                        const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
                        int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width, float scale,
-                       int kind, const float *lut) {
+                       const RowFormat *f) {
     int64_t group = num_heads / num_kv_heads;
     int64_t bs16 = (bs + 15) / 16 * 16;
-    size_t work_floats = (size_t)(QMAX * 16 * 16 + QMAX * bs16 + 3 * d + bs16);
+    size_t work_floats = (size_t)(QMAX * 16 * 16 + QMAX * bs16 + 5 * d + bs16);
 #pragma omp parallel
     {
         float *work = aligned_alloc(64, (work_floats * sizeof(float) + 63) / 64 * 64);
@@ -317,7 +370,7 @@ static void decode_all(const float *q, int64_t q_stride, const void *k_cache, co
         for (int64_t task = 0; task < batch * num_kv_heads; task++) {
             int64_t b = task / num_kv_heads, h = task % num_kv_heads;
             decode_head(q + b * q_stride + h * group * d, k_cache, v_cache, block_tables + b * width, seq_lens[b],
-                        out + (b * num_heads + h * group) * d, h, num_kv_heads, group, d, bs, scale, kind, lut, work);
+                        out + (b * num_heads + h * group) * d, h, num_kv_heads, group, d, bs, scale, f, work);
         }
         free(work);
     }
@@ -327,16 +380,18 @@ void kvs_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache
                           const int64_t *block_tables, const int64_t *seq_lens, float *out,
                           int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs,
                           int64_t width, float scale) {
+    RowFormat f = {ROW_F32, NULL, 0, 0};
     decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
-               width, scale, ROW_F32, NULL);
+               width, scale, &f);
 }
 
 void kvs_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *block_tables, const int64_t *seq_lens, float *out,
                            int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs,
                            int64_t width, float scale) {
+    RowFormat f = {ROW_BF16, NULL, 0, 0};
     decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
-               width, scale, ROW_BF16, NULL);
+               width, scale, &f);
 }
 
 /* Byte-code rows (int8, fp8): lut maps each code to its value before the row's scale. */
@@ -344,6 +399,17 @@ void kvs_paged_decode_codes(const float *q, int64_t q_stride, const uint8_t *k_c
                             const int64_t *block_tables, const int64_t *seq_lens, float *out,
                             int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs,
                             int64_t width, float scale, const float *lut) {
+    RowFormat f = {ROW_CODES, lut, 0, 0};
     decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
-               width, scale, ROW_CODES, lut);
+               width, scale, &f);
+}
+
+/* int4 rows (see the top): lut maps each scale byte to its step; extra = E, v_group = channels per value scale. */
+void kvs_paged_decode_int4(const float *q, int64_t q_stride, const uint8_t *k_cache, const uint8_t *v_cache,
+                           const int64_t *block_tables, const int64_t *seq_lens, float *out,
+                           int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs,
+                           int64_t width, float scale, const float *lut, int64_t extra, int64_t v_group) {
+    RowFormat f = {ROW_INT4, lut, extra, v_group};
+    decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
+               width, scale, &f);
 }
