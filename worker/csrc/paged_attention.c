@@ -121,6 +121,19 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+
+/* 16 bytes of packed int4 codes (channel 2i in byte i's low nibble) -> channels 0..15 (a) and
+ * 16..31 (b) as floats. */
+static inline __attribute__((always_inline)) void unpack32(const uint8_t *src, v16f *a, v16f *b) {
+    v16u8 bytes;
+    memcpy(&bytes, src, sizeof bytes);
+    v16f lo = __builtin_convertvector(__builtin_convertvector(bytes & 15, v16i), v16f);
+    v16f hi = __builtin_convertvector(__builtin_convertvector(bytes >> 4, v16i), v16f);
+    *a = __builtin_shufflevector(lo, hi, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    *b = __builtin_shufflevector(lo, hi, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+}
+
 /* Bytes of one head's row of one token. */
 static inline int64_t head_row_bytes(const RowFormat *f, int64_t d) {
     switch (f->kind) {
@@ -160,6 +173,32 @@ static inline __attribute__((always_inline)) const float *load_row(const void *c
         return buf;
     }
     const uint8_t *src = (const uint8_t *)cache + row * (d / 2 + f->extra);
+    if (d % 32 == 0 && (kp != NULL || f->v_group == 8 || f->v_group == 16)) {
+        const uint8_t *scales = src + d / 2;
+        for (int64_t k = 0; k < d / 32; k++) { /* 16 bytes: channels 32k .. 32k + 31 */
+            v16f a, b, sa, sb;
+            unpack32(src + 16 * k, &a, &b);
+            if (kp != NULL) {
+                a = (a - load16(kp + d + 32 * k)) * load16(kp + 32 * k);
+                b = (b - load16(kp + d + 32 * k + 16)) * load16(kp + 32 * k + 16);
+            } else {
+                if (f->v_group == 16) {
+                    sa = (v16f){0} + f->lut[scales[2 * k]];
+                    sb = (v16f){0} + f->lut[scales[2 * k + 1]];
+                } else {
+                    v16i low_half = lane_ids < 8;
+                    sa = select16(low_half, (v16f){0} + f->lut[scales[4 * k]], (v16f){0} + f->lut[scales[4 * k + 1]]);
+                    sb = select16(low_half, (v16f){0} + f->lut[scales[4 * k + 2]],
+                                  (v16f){0} + f->lut[scales[4 * k + 3]]);
+                }
+                a = (a - 8.0f) * sa;
+                b = (b - 8.0f) * sb;
+            }
+            memcpy(buf + 32 * k, &a, sizeof a);
+            memcpy(buf + 32 * k + 16, &b, sizeof b);
+        }
+        return buf;
+    }
     if (kp != NULL) {
 #pragma omp simd
         for (int64_t i = 0; i < d / 2; i++) {
