@@ -3,6 +3,8 @@ and the kernel build itself (cached, and skipped cleanly when switched off)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,6 +95,23 @@ def test_rms_norm_matches_the_reference_order(dtype):
     xf = x.float()
     ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
     torch.testing.assert_close(rms_norm(x, w, 1e-5), ref, rtol=0, atol=0 if dtype == torch.bfloat16 else 1e-6)
+
+
+def test_the_kernels_build_wherever_there_is_a_c_compiler():
+    """Without this, a kernel that no longer compiles would only turn the kernel tests into skips:
+    the engine falls back to torch, by design, when the build fails."""
+    import shutil
+    import subprocess
+
+    from kvstrata.worker.cpu_kernels import _build
+
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    try:
+        assert _build(compiler).exists()
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"the CPU kernels do not compile:\n{e.stderr}")
 
 
 def test_kernels_can_be_switched_off(monkeypatch):
