@@ -400,13 +400,11 @@ def test_the_c_decode_kernel_reads_quantized_rows_in_place_like_the_torch_path(n
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:20] for _ in range(3)])
     lens = torch.tensor([320, 150, 1])
     q = torch.randn(3, 9, D, generator=g)
-    out = kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, fmt.code_table, None, name)
+    out = kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, fmt.code_table)
     mask = (torch.arange(20 * BS)[None, :] < lens[:, None]).view(3, 1, 1, -1)
     ref = _decode_attention(q, k_cache, v_cache, tables, mask, 0.125, fmt)
     # the same math in another summation order: fp32 rounding, with outlier channels of ~40, up to ~6e-5
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-    # codes decoded in registers and through the table are the same floats
-    assert torch.equal(out, kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, fmt.code_table))
     assert fmt.kernel_readable
     if name != "bf16":
         with pytest.raises(ValueError, match="code table"):
@@ -416,7 +414,7 @@ def test_the_c_decode_kernel_reads_quantized_rows_in_place_like_the_torch_path(n
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_the_c_decode_kernel_decodes_every_byte_code_like_its_table(name):
     """One token of context, so the output is its value row: every one of the 256 codes, with a
-    scale of 1, comes out as the table's float (NaN and inf included)."""
+    scale of 1, comes out as the table's float (NaN and inf included), so no code is misread."""
     from kvstrata.worker.cpu_kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
@@ -431,9 +429,8 @@ def test_the_c_decode_kernel_decodes_every_byte_code_like_its_table(name):
     v_cache[:, 0, 0, :D] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(n, D)
     q = torch.randn(n, 1, D)
     tables, lens = torch.arange(n).view(n, 1), torch.ones(n, dtype=torch.int64)
-    for code_format in (name, None):
-        out = kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, fmt.code_table, None, code_format)
-        torch.testing.assert_close(out.flatten(), fmt.code_table, rtol=0, atol=0, equal_nan=True)
+    out = kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, fmt.code_table)
+    torch.testing.assert_close(out.flatten(), fmt.code_table, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("head_dim, block_size", [(64, 16), (64, 32), (128, 16), (48, 8)],

@@ -87,7 +87,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
         table = fmt.code_table if fmt is not None else None  # None for float rows
         group = fmt.int4_value_group if fmt is not None else None
         return meta.cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                             scale, table, group, fmt.name if fmt is not None else None)
+                                             scale, table, group)
     return _decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale, meta.kv_format)
 
 

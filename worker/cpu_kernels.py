@@ -34,7 +34,6 @@ _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-shared", "-fPIC"]
 GEMM_GROUP = 48  # output columns per packed group (NR in csrc/gemm.c)
-_CODE_KINDS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}  # code_kind in csrc/paged_attention.c
 
 
 class CpuKernels:
@@ -44,7 +43,7 @@ class CpuKernels:
         for fn in (lib.kvs_paged_decode_f32, lib.kvs_paged_decode_bf16):
             fn.argtypes = args
             fn.restype = None
-        lib.kvs_paged_decode_codes.argtypes = args + [ctypes.c_void_p, ctypes.c_int64]
+        lib.kvs_paged_decode_codes.argtypes = args + [ctypes.c_void_p]
         lib.kvs_paged_decode_codes.restype = None
         lib.kvs_paged_decode_int4.argtypes = args + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         lib.kvs_paged_decode_int4.restype = None
@@ -64,12 +63,10 @@ class CpuKernels:
 
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     code_table: torch.Tensor | None = None, int4_value_group: int | None = None,
-                     code_format: str | None = None) -> torch.Tensor:
+                     code_table: torch.Tensor | None = None, int4_value_group: int | None = None) -> torch.Tensor:
         """q: [B, H, D]; caches: [num_blocks, bs, Hkv, D] (fp32 or bf16), byte-code rows [.., D + 2]
         (uint8: D codes and an fp16 scale) decoded through code_table [256] float32, or with
         int4_value_group, int4 rows [.., D/2 + E] (kv_format.py) whose scale bytes code_table decodes;
-        code_format ("int8", "fp8_e4m3", "fp8_e5m2") lets the kernel decode byte codes without the table;
         block_tables: [B, W] int64; seq_lens: [B] int64."""
         batch, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -99,8 +96,7 @@ class CpuKernels:
                 return out if q.dtype == torch.float32 else out.to(q.dtype)
             if k_cache.shape[-1] != head_dim + 2:
                 raise ValueError(f"byte-code rows hold head_dim + 2 bytes, got {k_cache.shape[-1]}")
-            kind = _CODE_KINDS.get(code_format, 0)  # a known format is decoded in registers, not through the table
-            self._lib.kvs_paged_decode_codes(*common, code_table.contiguous().data_ptr(), kind)
+            self._lib.kvs_paged_decode_codes(*common, code_table.contiguous().data_ptr())
         elif k_cache.dtype == torch.bfloat16:
             self._lib.kvs_paged_decode_bf16(*common)
         else:

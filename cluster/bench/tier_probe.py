@@ -24,6 +24,7 @@ import torch
 from kvstrata.cluster.bench.bandwidth import MB, measure_direct
 
 PROBE_DIR = "tier-probe"
+_TAG = "probe"  # the probe tier's layout tag
 _NUM_PATTERNS = 8  # distinct block contents cycled through the puts
 
 
@@ -58,26 +59,28 @@ class TierProbe:
 def probe_nvme_tier(directory: Path, block_shape: tuple[int, ...], dtype: torch.dtype, num_bytes: int,
                     rounds: int = 3, clock: Callable[[], float] = time.perf_counter) -> TierProbe:
     """`rounds` rounds of about num_bytes each way through a tier in directory/tier-probe (removed after)."""
+    from kvstrata.tiering.block_file import max_head_len
     from kvstrata.tiering.nvme import NvmeTier
+    from kvstrata.tiering.slab import SLAB_BYTES, SlabGeometry
 
     if rounds <= 0:
         raise ValueError(f"rounds must be positive, got {rounds}")
     payload = torch.Size(block_shape).numel() * dtype.itemsize
+    head = max_head_len(_TAG, str(dtype).removeprefix("torch."), tuple(block_shape))
+    slot_bytes = SlabGeometry.plan(0, head, payload, SLAB_BYTES).slot_bytes
     patterns = [torch.randint(0, 256, (payload,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
                 .view(dtype).view(block_shape) for i in range(_NUM_PATTERNS)]
     num_blocks = max(2, num_bytes // payload)
     tier_dir = directory / PROBE_DIR
-    results, slot_bytes, direct = [], 0, False
+    results, direct = [], False
+    total = num_blocks * slot_bytes
     for r in range(rounds):
         shutil.rmtree(tier_dir, ignore_errors=True)
-        probe = NvmeTier(tier_dir, 1, block_shape, dtype, layout_tag="probe")  # no slots: only its geometry
-        slot_bytes = probe.geometry.slot_bytes
-        probe.close()
-        total = num_blocks * slot_bytes
         raw_write, raw_read = measure_direct(directory, max(1, total // (8 * MB)), min(8 * MB, total), clock)
-        tier = NvmeTier(tier_dir, total, block_shape, dtype, layout_tag="probe")
+        tier = NvmeTier(tier_dir, total, block_shape, dtype, layout_tag=_TAG)
         try:
             direct = tier.direct_io
+            assert tier.geometry.slot_bytes == slot_bytes, "the probe sized its tier by another slot"
             keys = [[f"{r}/{burst}/{i}".encode() for i in range(num_blocks)] for burst in range(2)]
             writes = [_put_burst(tier, burst, patterns, clock) for burst in keys]
             gc.collect()

@@ -99,12 +99,12 @@ static inline __attribute__((always_inline)) v16f transpose_sum16(const v16f *p)
 #undef PAIRS
 }
 
-enum { ROW_F32 = 0, ROW_BF16 = 1, ROW_CODES = 2, ROW_INT4 = 3, ROW_INT8 = 4, ROW_E4M3 = 5, ROW_E5M2 = 6 };
+enum { ROW_F32 = 0, ROW_BF16 = 1, ROW_CODES = 2, ROW_INT4 = 3 };
 
 /* How the pool's rows are stored. */
 typedef struct {
     int kind;
-    const float *lut;  /* ROW_CODES: each code's value; ROW_INT4: each scale byte's step; ROW_INT8: none */
+    const float *lut;  /* ROW_CODES: each code's value; ROW_INT4: each scale byte's step */
     int64_t extra;     /* ROW_INT4: scale bytes after a row's D/2 code bytes */
     int64_t v_group;   /* ROW_INT4: channels per value scale */
 } RowFormat;
@@ -122,7 +122,6 @@ static inline float f16_to_f32(uint16_t h) {
 }
 
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
-typedef int8_t v16i8 __attribute__((vector_size(16)));
 
 /* 16 bytes of packed int4 codes (channel 2i in byte i's low nibble) -> channels 0..15 (a) and
  * 16..31 (b) as floats. */
@@ -135,31 +134,12 @@ static inline __attribute__((always_inline)) void unpack32(const uint8_t *src, v
     *b = __builtin_shufflevector(lo, hi, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
 }
 
-/* 16 fp8 codes (bytes in int32 lanes) -> floats, exactly: sign, exponent and mantissa moved into
- * float32's fields, subnormals (exponent 0) as mantissa * 2^(1 - bias - mant_bits), and the
- * specials (e4m3fn: S.1111.111 is NaN; e5m2: exponent 31 is inf or NaN) as float32's. */
-static inline __attribute__((always_inline)) v16f fp8_to_f32(v16i b, const int mant_bits, const int exp_bits,
-                                                             const int bias, const float subnormal_unit) {
-    v16i sign = (b & 0x80) << 24;
-    v16i e = (b >> mant_bits) & ((1 << exp_bits) - 1);
-    v16i m = b & ((1 << mant_bits) - 1);
-    v16i normal = sign | ((e + (127 - bias)) << 23) | (m << (23 - mant_bits));
-    v16f sub = __builtin_convertvector(m, v16f) * subnormal_unit;
-    v16i bits = (v16i)select16(e == 0, (v16f)((v16i)sub | sign), (v16f)normal);
-    v16i special = exp_bits == 4 ? (b & 0x7f) == 0x7f : e == 31;
-    v16i special_bits = sign | (255 << 23) | (exp_bits == 4 ? (v16i){0} + (1 << 22) : m << (23 - mant_bits));
-    return (v16f)((special & special_bits) | (~special & bits));
-}
-
 /* Bytes of one head's row of one token. */
 static inline int64_t head_row_bytes(const RowFormat *f, int64_t d) {
     switch (f->kind) {
     case ROW_F32: return 4 * d;
     case ROW_BF16: return 2 * d;
-    case ROW_CODES:
-    case ROW_INT8:
-    case ROW_E4M3:
-    case ROW_E5M2: return d + 2;
+    case ROW_CODES: return d + 2;
     default: return d / 2 + f->extra;
     }
 }
@@ -186,27 +166,9 @@ static inline __attribute__((always_inline)) const float *load_row(const void *c
         for (int64_t i = 0; i < d; i++) buf[i] = bf16_to_f32(src[i]);
         return buf;
     }
-    if (f->kind != ROW_INT4) { /* one-byte codes and the row's fp16 scale */
+    if (f->kind == ROW_CODES) {
         const uint8_t *src = (const uint8_t *)cache + row * (d + 2);
         float sc = f16_to_f32((uint16_t)(src[d] | (src[d + 1] << 8)));
-        if (f->kind != ROW_CODES && d % 16 == 0) { /* known codes: decoded 16 at a time, no table */
-            for (int64_t k = 0; k < d / 16; k++) {
-                v16f v;
-                if (f->kind == ROW_INT8) {
-                    v16i8 codes;
-                    memcpy(&codes, src + 16 * k, sizeof codes);
-                    v = __builtin_convertvector(__builtin_convertvector(codes, v16i), v16f);
-                } else {
-                    v16u8 codes;
-                    memcpy(&codes, src + 16 * k, sizeof codes);
-                    v16i b = __builtin_convertvector(codes, v16i);
-                    v = f->kind == ROW_E4M3 ? fp8_to_f32(b, 3, 4, 7, 0x1p-9f) : fp8_to_f32(b, 2, 5, 15, 0x1p-16f);
-                }
-                v *= sc;
-                memcpy(buf + 16 * k, &v, sizeof v);
-            }
-            return buf;
-        }
         for (int64_t i = 0; i < d; i++) buf[i] = f->lut[src[i]] * sc;
         return buf;
     }
@@ -471,15 +433,12 @@ void kvs_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_c
                width, scale, &f);
 }
 
-/* Byte-code rows (int8, fp8): lut maps each code to its value before the row's scale. code_kind:
- * 0 any codes (through lut), 1 int8, 2 fp8 e4m3fn, 3 fp8 e5m2 (decoded in vector registers; lut
- * must agree). */
+/* Byte-code rows (int8, fp8): lut maps each code to its value before the row's scale. */
 void kvs_paged_decode_codes(const float *q, int64_t q_stride, const uint8_t *k_cache, const uint8_t *v_cache,
                             const int64_t *block_tables, const int64_t *seq_lens, float *out,
                             int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs,
-                            int64_t width, float scale, const float *lut, int64_t code_kind) {
-    static const int kinds[] = {ROW_CODES, ROW_INT8, ROW_E4M3, ROW_E5M2};
-    RowFormat f = {kinds[code_kind >= 0 && code_kind < 4 ? code_kind : 0], lut, 0, 0};
+                            int64_t width, float scale, const float *lut) {
+    RowFormat f = {ROW_CODES, lut, 0, 0};
     decode_all(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d, bs,
                width, scale, &f);
 }
