@@ -432,25 +432,25 @@ class NvmeTier:
     def _write_queued(self) -> None:
         """Take up to a run of queued writes, give each a slot (evicting where none is free), write
         each run of adjacent slots in one pwrite, then index the blocks still wanted."""
+        taken: list[tuple[_PendingWrite, int | None, int | None]] = []
+        written: set[int] = set()
         with self._lock:
             if not self._queue:  # an earlier call took this put's write
                 return
             start = self._write_clock.begin()
-            taken: list[tuple[_PendingWrite, int | None, int | None]] = []
-            while self._queue and len(taken) < self._max_run:
-                p = self._queue.popleft()
-                slot = seq = None
-                if self._pending.get(p.block_hash) is p:  # else discarded before its turn
-                    slot = self._allocate()
-                    if slot is not None:
-                        seq = self._next_seq
-                        self._next_seq += 1
-                taken.append((p, slot, seq))
-        written: set[int] = set()
-        try:
+        try:  # on a bug too, every write taken ends, committed or not, so flush does not hang
+            with self._lock:
+                while self._queue and len(taken) < self._max_run:
+                    p = self._queue.popleft()
+                    taken.append((p, None, None))
+                    if self._pending.get(p.block_hash) is p:  # else discarded before its turn
+                        slot = self._allocate()
+                        if slot is not None:
+                            taken[-1] = (p, slot, self._next_seq)
+                            self._next_seq += 1
             written = self._write_runs([job for job in taken if job[1] is not None])
             # no fsync: a slot torn by power loss fails its checksum and reads as a miss
-        finally:  # also on a bug: every write taken ends, committed or not, and flush does not hang
+        finally:
             self._end_writes(taken, written, start)
 
     def _write_runs(self, jobs: list[_Job]) -> set[int]:
