@@ -6,7 +6,8 @@ and reads move whole slots, O_DIRECT where the file system allows it, so blocks 
 cache (the DRAM tier above already caches them) and no file is created, renamed or removed per
 block. Writes queue, and an IO thread takes up to 1 MB of them at once, gives them slots (free
 slots go lowest first, so a burst of demotions lands in adjacent slots) and writes each run of
-adjacent slots in one pwrite; a batch of reads sorts its slots and reads each run in one preadv.
+adjacent slots in one pwrite; a batch of reads sorts its slots and reads each run in one preadv
+(slot_io.py moves the bytes; this module keeps the index and which slot is free, written or read).
 Small blocks thus move in few large IOs; blocks of 1 MB or more still move one per IO, two IO
 threads keeping two in flight (on the disk measured, 0.74 MB writes at queue depth 2 outran
 8 MB ones). Every read checks the header, the block's identity, the layout and
@@ -31,12 +32,12 @@ from typing import Callable
 
 import torch
 
-from kvstrata.tiering.block_file import MAX_HASH_BYTES, MAX_HEADER_BYTES, BlockHeader, max_head_len
-from kvstrata.tiering.disk_io import O_DIRECT, BusyClock, aligned_buffer, supports_direct_io
+from kvstrata.tiering.block_file import MAX_HASH_BYTES, MAX_HEADER_BYTES, max_head_len
+from kvstrata.tiering.disk_io import O_DIRECT, BusyClock, supports_direct_io
 from kvstrata.tiering.nvme_index import BlockIndex, IndexEntry
 from kvstrata.tiering.slab import SLAB_BYTES, SlabFiles, SlabGeometry
 from kvstrata.tiering.slab_scan import check_disk, rebuild
-from kvstrata.tiering.slot_codec import stage, unstage
+from kvstrata.tiering.slot_io import SlotIO, SlotWrite
 from kvstrata.tiering.slots import SlotTable
 
 RUN_BYTES = 1 << 20  # the most one pwrite or preadv moves: adjacent slots go together up to this
@@ -50,7 +51,6 @@ class _PendingWrite:
     future: Future = field(default_factory=Future)
 
 
-_Job = tuple[_PendingWrite, int, int]  # a write given its slot and sequence number
 _ToRead = tuple[int, bytes, IndexEntry]  # (place in the answer, block, its entry when asked)
 
 
@@ -117,8 +117,7 @@ class NvmeTier:
             raise ValueError(f"direct_io must be None, True or False, got {direct_io!r}")
         if not isinstance(slab_bytes, int) or slab_bytes <= 0:
             raise ValueError(f"slab_bytes must be a positive int, got {slab_bytes!r}")
-        self._dtype_name = str(dtype).removeprefix("torch.")
-        head_bytes = max_head_len(layout_tag, self._dtype_name, shape)
+        head_bytes = max_head_len(layout_tag, str(dtype).removeprefix("torch."), shape)
         if head_bytes > MAX_HEADER_BYTES:
             raise ValueError("layout_tag is too long for a block header")
         self.directory = Path(directory)
@@ -139,13 +138,11 @@ class NvmeTier:
         self._index = BlockIndex()
         self._pending: dict[bytes, _PendingWrite] = {}
         self._queue: deque[_PendingWrite] = deque()  # puts not yet taken by an IO thread, oldest first
-        self._max_run = max(1, RUN_BYTES // self.geometry.slot_bytes)
         self._writes_in_flight: set[Future] = set()
         self._next_seq = 0
         self._counters = _Counters()
         self._read_clock = BusyClock()
         self._write_clock = BusyClock()
-        self._thread_local = threading.local()  # each IO thread's staging buffer
         self._closed = False
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock_fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -160,6 +157,8 @@ class NvmeTier:
                 raise ValueError(f"direct_io=True, but {self.directory} does not support O_DIRECT")
             self.direct_io = supported
             self._slabs = SlabFiles(self.directory, self.geometry, O_DIRECT if supported else 0)
+            self._io = SlotIO(self._slabs, layout_tag, dtype, shape, self.payload_bytes,
+                              max(1, RUN_BYTES // self.geometry.slot_bytes))
             self._executor = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kvstrata-nvme")
             try:
                 self._open()
@@ -369,7 +368,7 @@ class NvmeTier:
         slots = [entry.slot for _, _, entry in reading]
         i = 0
         while i < len(reading):
-            n = self._slabs.run_length(slots, i, self._max_run)
+            n = self._slabs.run_length(slots, i, self._io.max_run)
             self._read_run(reading[i:i + n], out, touch)
             i += n
 
@@ -378,17 +377,7 @@ class NvmeTier:
         results: list[tuple[torch.Tensor | None, bool]] = [(None, False)] * len(run)  # (block, bad slot)
         start = self._read_clock.begin()
         try:
-            bufs = [aligned_buffer(self.geometry.slot_bytes) for _ in run]  # [slot_bytes] each
-            try:
-                self._slabs.read_run(run[0][2].slot, bufs)
-                read_ok = [True] * len(run)
-            except (OSError, ValueError):  # read them one by one, so that only the bad slot is dropped
-                read_ok = [self._try_read(entry.slot, buf) for (_, _, entry), buf in zip(run, bufs)]
-            for k, ((_, block_hash, _), buf) in enumerate(zip(run, bufs)):
-                try:
-                    results[k] = (unstage(buf, block_hash, self._is_our_layout, self.dtype, self.block_shape), False) if read_ok[k] else (None, True)
-                except ValueError:
-                    results[k] = (None, True)
+            results = self._io.read_run([entry.slot for _, _, entry in run], [h for _, h, _ in run])
         finally:  # also on a bug or MemoryError, which the caller's future then carries: the slots are let go
             seconds = self._read_clock.end() - start
             to_erase = []
@@ -401,13 +390,6 @@ class NvmeTier:
                         to_erase.append(slot)
             for slot in to_erase:
                 self._erase(slot)
-
-    def _try_read(self, slot: int, buf: torch.Tensor) -> bool:
-        try:
-            self._slabs.read(slot, buf)
-            return True
-        except (OSError, ValueError):
-            return False
 
     def _end_read(self, block_hash: bytes, entry: IndexEntry, data: torch.Tensor | None, bad: bool,
                   touch: bool) -> int | None:
@@ -432,7 +414,7 @@ class NvmeTier:
     def _write_queued(self) -> None:
         """Take up to a run of queued writes, give each a slot (evicting where none is free), write
         each run of adjacent slots in one pwrite, then index the blocks still wanted."""
-        taken: list[tuple[_PendingWrite, int | None, int | None]] = []
+        taken: list[tuple[_PendingWrite, SlotWrite | None]] = []
         written: set[int] = set()
         with self._lock:
             if not self._queue:  # an earlier call took this put's write
@@ -440,63 +422,35 @@ class NvmeTier:
             start = self._write_clock.begin()
         try:  # on a bug too, every write taken ends, committed or not, so flush does not hang
             with self._lock:
-                while self._queue and len(taken) < self._max_run:
+                while self._queue and len(taken) < self._io.max_run:
                     p = self._queue.popleft()
-                    taken.append((p, None, None))
+                    taken.append((p, None))
                     if self._pending.get(p.block_hash) is p:  # else discarded before its turn
                         slot = self._allocate()
                         if slot is not None:
-                            taken[-1] = (p, slot, self._next_seq)
+                            taken[-1] = (p, SlotWrite(slot, p.block_hash, p.parent_hash, p.data, self._next_seq))
                             self._next_seq += 1
-            written = self._write_runs([job for job in taken if job[1] is not None])
+            written = self._io.write([w for _, w in taken if w is not None])
             # no fsync: a slot torn by power loss fails its checksum and reads as a miss
         finally:
             self._end_writes(taken, written, start)
 
-    def _write_runs(self, jobs: list[_Job]) -> set[int]:
-        """Write the jobs' slots, each run of adjacent ones in one pwrite; the slots written."""
-        jobs.sort(key=lambda job: job[1])
-        slots = [slot for _, slot, _ in jobs]
-        written: set[int] = set()
-        i = 0
-        while i < len(jobs):
-            n = self._slabs.run_length(slots, i, self._max_run)
-            try:
-                self._write_run(jobs[i:i + n])
-                written.update(slots[i:i + n])
-            except Exception:  # noqa: BLE001 - an IO error fails this run's writes, not the others
-                pass
-            i += n
-        return written
-
-    def _write_run(self, run: list[_Job]) -> None:
-        """Adjacent slots, staged one after another in this thread's aligned buffer, in one pwrite.
-
-            staging: [ slot (slot_codec.py) ][ next slot ] ...
-                     0                        S             2S
-        """
-        size = self.geometry.slot_bytes  # S
-        staging = self._staging()  # [max_run * S]
-        for k, (p, _, seq) in enumerate(run):
-            stage(staging[k * size:(k + 1) * size],
-                  BlockHeader(p.block_hash, p.parent_hash or b"", self.layout_tag, self._dtype_name,
-                              self.block_shape, self.payload_bytes, 0, seq), p.data)
-        self._slabs.write(run[0][1], memoryview(staging[:len(run) * size].numpy()))
-
-    def _end_writes(self, taken: list, written: set[int], start: float) -> None:
+    def _end_writes(self, taken: list[tuple[_PendingWrite, SlotWrite | None]], written: set[int],
+                    start: float) -> None:
         """Index what was written and is still wanted; erase the rest's slots; resolve the futures.
         A write stays in flight until its slot is erased, so flush waits for that too."""
         results: list[tuple[_PendingWrite, bool]] = []
         to_erase: list[int] = []
         with self._lock:
-            for p, slot, seq in taken:
+            for p, w in taken:
+                slot = w.slot if w is not None else None
                 stored = False
                 if self._pending.get(p.block_hash) is p:
                     del self._pending[p.block_hash]
                     stored = slot is not None and slot in written
                 if stored:
                     self._slots.commit(slot)
-                    self._index.insert(p.block_hash, p.parent_hash, slot, seq)
+                    self._index.insert(p.block_hash, p.parent_hash, slot, w.seq)
                     self._counters.writes += 1
                     self._counters.bytes_written += self.geometry.slot_bytes
                 elif slot is not None:  # discarded meanwhile, or failed: what reached the slot must not come back
@@ -511,13 +465,6 @@ class NvmeTier:
             p.future.set_result(stored)
         with self._lock:
             self._writes_in_flight.difference_update(p.future for p, _ in results)
-
-    def _staging(self) -> torch.Tensor:
-        """This IO thread's aligned staging buffer, a run of slots long, reused for every write."""
-        staging = getattr(self._thread_local, "staging", None)
-        if staging is None:
-            staging = self._thread_local.staging = aligned_buffer(self._max_run * self.geometry.slot_bytes)
-        return staging  # [max_run * slot_bytes]
 
     # -- slots (callers hold the lock, except for _erase) ------------------------------------
     def _allocate(self) -> int | None:
@@ -559,17 +506,13 @@ class NvmeTier:
 
     # -- open and checks ---------------------------------------------------------------------
     def _open(self) -> None:
-        found = rebuild(self._slabs, self._executor, self._is_our_layout, self.num_io_threads)
+        found = rebuild(self._slabs, self._executor, self._io.is_our_layout, self.num_io_threads)
         self._index = found.index
         self._next_seq = found.next_seq
         self._counters.dropped_at_open = found.num_dropped
         self._counters.foreign_files = found.num_foreign
         self._counters.evictions = found.num_evicted
         self._slots = SlotTable(self.geometry.num_slots, {e.slot for e in self._index.entries.values()})
-
-    def _is_our_layout(self, header: BlockHeader) -> bool:
-        return (header.layout_tag == self.layout_tag and header.dtype_name == self._dtype_name
-                and header.shape == self.block_shape and header.payload_len == self.payload_bytes)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -597,4 +540,4 @@ class NvmeTier:
             assert self.used_bytes <= self.capacity_bytes, f"{self.used_bytes} B used > capacity"
             self._slots.check({e.slot for e in self._index.entries.values()})
             assert all(p.future in self._writes_in_flight for p in self._pending.values()), "lost a write"
-            check_disk(self._slabs, self._is_our_layout, self._index.entries, self._slots.free_slots())
+            check_disk(self._slabs, self._io.is_our_layout, self._index.entries, self._slots.free_slots())

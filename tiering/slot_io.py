@@ -1,0 +1,116 @@
+"""Whole NVMe slots of one block layout, moved in runs: adjacent slots are staged one after another
+and written in one pwrite, or read in one preadv and checked block by block (slot_codec.py).
+
+No index and no lock here: the tier (nvme.py) decides which slots move, keeps every other operation
+off them meanwhile, and does the bookkeeping before and after.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.tiering.block_file import BlockHeader
+from kvstrata.tiering.disk_io import aligned_buffer
+from kvstrata.tiering.slab import SlabFiles
+from kvstrata.tiering.slot_codec import stage, unstage
+
+
+@dataclass(frozen=True, slots=True)
+class SlotWrite:
+    """One block to write into one slot."""
+
+    slot: int
+    block_hash: bytes
+    parent_hash: bytes | None
+    data: torch.Tensor
+    seq: int  # the write's sequence number, in its header
+
+
+class SlotIO:
+    """Runs of at most max_run adjacent slots (and never across a slab) per IO."""
+
+    def __init__(self, slabs: SlabFiles, layout_tag: str, dtype: torch.dtype, block_shape: tuple[int, ...],
+                 payload_bytes: int, max_run: int):
+        self.slabs = slabs
+        self.layout_tag = layout_tag
+        self.dtype = dtype
+        self.dtype_name = str(dtype).removeprefix("torch.")
+        self.block_shape = block_shape
+        self.payload_bytes = payload_bytes
+        self.max_run = max_run
+        self._thread_local = threading.local()  # each IO thread's staging buffer
+
+    def is_our_layout(self, header: BlockHeader) -> bool:
+        return (header.layout_tag == self.layout_tag and header.dtype_name == self.dtype_name
+                and header.shape == self.block_shape and header.payload_len == self.payload_bytes)
+
+    # -- writes ----------------------------------------------------------------------------------
+    def write(self, writes: list[SlotWrite]) -> set[int]:
+        """Write every block into its slot, each run of adjacent slots in one pwrite; the slots
+        written. An IO error fails its own run's writes, not the others'."""
+        writes = sorted(writes, key=lambda w: w.slot)
+        slots = [w.slot for w in writes]
+        written: set[int] = set()
+        i = 0
+        while i < len(writes):
+            n = self.slabs.run_length(slots, i, self.max_run)
+            try:
+                self._write_run(writes[i:i + n])
+                written.update(slots[i:i + n])
+            except Exception:  # noqa: BLE001 - whatever went wrong, these slots may hold anything now
+                pass
+            i += n
+        return written
+
+    def _write_run(self, run: list[SlotWrite]) -> None:
+        """Adjacent slots, staged one after another in this thread's aligned buffer, in one pwrite.
+
+            staging: [ slot (slot_codec.py) ][ next slot ] ...
+                     0                        S             2S
+        """
+        size = self.slabs.geometry.slot_bytes  # S
+        staging = self._staging()  # [max_run * S]
+        for k, w in enumerate(run):
+            header = BlockHeader(w.block_hash, w.parent_hash or b"", self.layout_tag, self.dtype_name,
+                                 self.block_shape, self.payload_bytes, 0, w.seq)
+            stage(staging[k * size:(k + 1) * size], header, w.data)
+        self.slabs.write(run[0].slot, memoryview(staging[:len(run) * size].numpy()))
+
+    def _staging(self) -> torch.Tensor:
+        """This IO thread's aligned staging buffer, a run of slots long, reused for every write."""
+        staging = getattr(self._thread_local, "staging", None)
+        if staging is None:
+            staging = aligned_buffer(self.max_run * self.slabs.geometry.slot_bytes)
+            self._thread_local.staging = staging
+        return staging  # [max_run * slot_bytes]
+
+    # -- reads -----------------------------------------------------------------------------------
+    def read_run(self, slots: list[int], hashes: list[bytes]) -> list[tuple[torch.Tensor | None, bool]]:
+        """Adjacent slots (see run_length), in one preadv: (block, False) for each good one, (None,
+        True) for a bad one (IO error, no header, another block or layout, a failed checksum).
+        If the preadv fails, the slots are read one by one, so that only a bad slot is lost."""
+        size = self.slabs.geometry.slot_bytes
+        bufs = [aligned_buffer(size) for _ in slots]  # [slot_bytes] each, the blocks are views of them
+        try:
+            self.slabs.read_run(slots[0], bufs)
+            read_ok = [True] * len(slots)
+        except (OSError, ValueError):
+            read_ok = [self._try_read(slot, buf) for slot, buf in zip(slots, bufs)]
+        return [self._check(buf, block_hash) if ok else (None, True)
+                for buf, block_hash, ok in zip(bufs, hashes, read_ok)]
+
+    def _try_read(self, slot: int, buf: torch.Tensor) -> bool:
+        try:
+            self.slabs.read(slot, buf)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def _check(self, buf: torch.Tensor, block_hash: bytes) -> tuple[torch.Tensor | None, bool]:
+        try:
+            return unstage(buf, block_hash, self.is_our_layout, self.dtype, self.block_shape), False
+        except ValueError:
+            return None, True
