@@ -9,11 +9,10 @@ import json
 
 import pytest
 
+from kvstrata.cluster.bench.bandwidth import DiskRates, References
 from kvstrata.cluster.bench.tiering import (
     ChatShape,
     ConfigResult,
-    DiskRates,
-    References,
     TieringReport,
     TieringSettings,
     TurnResult,

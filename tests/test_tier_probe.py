@@ -8,7 +8,8 @@ import torch
 
 from kvstrata.cluster.bench.bandwidth import DiskRates, References
 from kvstrata.cluster.bench.tier_probe import PROBE_DIR, ProbeRound, TierProbe, probe_nvme_tier
-from kvstrata.cluster.bench.tiering import ChatShape, ConfigResult, TieringReport, TieringSettings, probe_transfers
+from kvstrata.cluster.bench.tiering import ChatShape, ConfigResult, TieringReport, TieringSettings
+from kvstrata.cluster.bench.transfers import probe_transfers
 
 SHAPE = (2, 2, 4, 2, 32)  # 4 KB of float32: one payload page
 
