@@ -35,3 +35,10 @@ def copy_to_device(storage: torch.Tensor, slots: list[int], kv_cache: torch.Tens
     data = storage.index_select(0, torch.tensor(slots))
     dev = kv_cache.device
     kv_cache.index_copy_(2, torch.tensor(block_ids, device=dev), data.permute(1, 2, 0, 3, 4, 5).to(dev))
+
+
+def copy_blocks_into(storage: torch.Tensor, slots: list[int], blocks: list[torch.Tensor]) -> None:
+    """Separate blocks (each [*block_shape], as NVMe reads return them) into DRAM slots [S, ...],
+    one copy each: stacking them first would allocate, and fault in, as much memory again."""
+    for slot, block in zip(slots, blocks):
+        storage[slot].copy_(block)

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from kvstrata.tiering.admission import AdmissionPolicy
-from kvstrata.tiering.block_copy import copy_to_device, copy_to_host
+from kvstrata.tiering.block_copy import copy_blocks_into, copy_to_device, copy_to_host
 from kvstrata.tiering.host import HostTier
 from kvstrata.tiering.rank_mirror import (CLEAR, COMMIT, LOAD, SPILL, TO_DEVICE, TO_HOST, TierOp, encode_hashes,
                                           read_status)
@@ -341,7 +341,9 @@ class TierManager:
             was_here = [h in self.host for h in hashes]
             mark = self._log_mark()
             # a block read back from NVMe is being reused: it counts one hit
-            spilled = self.host.put(hashes, load.parents[:good], torch.stack(blocks[:good]), hits=[1] * good)
+            spilled = self.host.put(hashes, load.parents[:good], hits=[1] * good,
+                                    fill=lambda rows, slots: copy_blocks_into(self.host.storage, slots,
+                                                                              [blocks[r] for r in rows]))
             self._spill(spilled, mark)
             rows = [i for i, h in enumerate(hashes) if not was_here[i] and h in self.host]
             slots = [self.host.entries[hashes[i]].slot for i in rows]

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 import numpy
 import torch
 
-from kvstrata.tiering.block_copy import block_shape, copy_to_device, copy_to_host
+from kvstrata.tiering.block_copy import block_shape, copy_blocks_into, copy_to_device, copy_to_host
 
 TO_HOST, TO_DEVICE, SPILL, LOAD, COMMIT, CLEAR = 1, 2, 3, 4, 5, 6
 READING = -1  # a load's status while some rank is still reading it
@@ -113,8 +113,7 @@ class RankTiers:
         if not rows:
             return
         blocks = future.result()
-        data = torch.stack([blocks[r] for r in rows])
-        self.storage.index_copy_(0, torch.tensor(slots), data)
+        copy_blocks_into(self.storage, slots, [blocks[r] for r in rows])
 
     def _clear(self) -> None:
         for future in self.loads.values():
