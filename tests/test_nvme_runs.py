@@ -183,3 +183,38 @@ def test_run_length_keeps_runs_adjacent_within_a_slab():
         lengths.append(files.run_length(slots, i, limit=3))
         i += lengths[-1]
     assert lengths == [3, 1, 2, 1, 2]  # 0-2 (limit), 3 (slab end), 4-5, 7 (slab end), 8-9
+
+
+def test_recycled_blocks_lend_their_buffers_to_later_reads(tmp_path):
+    tier = filled(tmp_path, num_io_threads=1)
+    first = tier.get_many([h(n) for n in NAMES[:4]]).result()
+    storages = {b.untyped_storage().data_ptr() for b in first}
+    tier.recycle(first + [None])
+    tier.recycle(first)  # twice: each buffer still waits once
+    assert len(tier._read_buffers) == 4
+    second = tier.get_many([h(n) for n in NAMES[4:]]).result()
+    assert {b.untyped_storage().data_ptr() for b in second} == storages  # read into the same memory
+    assert all(same(b, data_of(n)) for n, b in zip(NAMES[4:], second))
+    assert len(tier._read_buffers) == 0
+    tier.check_integrity()
+    tier.close()
+
+
+def test_only_read_buffers_are_recycled_and_the_pool_is_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(nvme, "READ_BUFFER_BYTES", 2 * SLOT)  # room for max(8, 2) buffers
+    tier = filled(tmp_path, num_io_threads=1)
+    tier.recycle([data_of("b0"), data_of("b0").clone()])  # not a read's block: ignored
+    assert len(tier._read_buffers) == 0
+    blocks = tier.get_many([h(n) for n in NAMES]).result() + tier.get_many([h(n) for n in NAMES]).result()
+    tier.recycle(blocks)
+    assert len(tier._read_buffers) == 8  # the bound, not all 16
+    tier.close()
+
+
+def test_a_bad_slots_buffer_goes_straight_back(tmp_path):
+    tier = filled(tmp_path, num_io_threads=1)
+    in_payload = offset_of(tier, h("b2")) + ALIGN + 10
+    patch(slab0(tier), in_payload, bytes([slot_bytes(slab0(tier), in_payload, 1)[0] ^ 0xFF]))
+    got = tier.get_many([h("b2")]).result()
+    assert got == [None] and len(tier._read_buffers) == 1
+    tier.close()

@@ -352,6 +352,8 @@ class TierManager:
                     if h in self.host:
                         self.recorder.stored([h], parent, DRAM)
             self.counters.loaded_from_nvme += good
+        if read_status(load.future) > 0:  # copied out, or not wanted: their read buffers are read into again
+            self.nvme.recycle(load.future.result())
         if self.copy_log is not None:
             self.copy_log.append((COMMIT, [load.load_id, *rows], slots))
 

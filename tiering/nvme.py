@@ -37,10 +37,11 @@ from kvstrata.tiering.disk_io import O_DIRECT, BusyClock, supports_direct_io
 from kvstrata.tiering.nvme_index import BlockIndex, IndexEntry
 from kvstrata.tiering.slab import SLAB_BYTES, SlabFiles, SlabGeometry
 from kvstrata.tiering.slab_scan import check_disk, rebuild
-from kvstrata.tiering.slot_io import SlotIO, SlotWrite
+from kvstrata.tiering.slot_io import ReadBuffers, SlotIO, SlotWrite
 from kvstrata.tiering.slots import SlotTable
 
 RUN_BYTES = 1 << 20  # the most one pwrite or preadv moves: adjacent slots go together up to this
+READ_BUFFER_BYTES = 64 << 20  # read buffers kept for reuse once their blocks are recycled
 
 
 @dataclass(slots=True, eq=False)
@@ -157,8 +158,9 @@ class NvmeTier:
                 raise ValueError(f"direct_io=True, but {self.directory} does not support O_DIRECT")
             self.direct_io = supported
             self._slabs = SlabFiles(self.directory, self.geometry, O_DIRECT if supported else 0)
+            self._read_buffers = ReadBuffers(self.geometry.slot_bytes, max(8, READ_BUFFER_BYTES // self.geometry.slot_bytes))
             self._io = SlotIO(self._slabs, layout_tag, dtype, shape, self.payload_bytes,
-                              max(1, RUN_BYTES // self.geometry.slot_bytes))
+                              max(1, RUN_BYTES // self.geometry.slot_bytes), self._read_buffers)
             self._executor = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kvstrata-nvme")
             try:
                 self._open()
@@ -342,6 +344,13 @@ class NvmeTier:
         for future in futures:
             future.add_done_callback(one_done)
         return result
+
+    def recycle(self, blocks: list[torch.Tensor | None]) -> None:
+        """Hand back blocks that get or get_many returned, once the caller has copied them out: their
+        buffers are read into again. The caller must not touch them afterwards. Blocks from elsewhere
+        (a write in flight returns a copy) are ignored."""
+        bufs = [self._read_buffers.buffer_of(block) for block in blocks if block is not None]
+        self._read_buffers.give([buf for buf in bufs if buf is not None])
 
     def _begin_read(self, block_hash: bytes) -> torch.Tensor | IndexEntry | None:
         """Under the lock: a tensor from a write in flight (a hit), the entry to read, or a miss."""

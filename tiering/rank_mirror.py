@@ -110,10 +110,11 @@ class RankTiers:
     def _commit(self, load_id: int, rows: list[int], slots: list[int]) -> None:
         """Rows of load `load_id` (all read here: the group agreed) into DRAM slots; the load ends."""
         future = self.loads.pop(load_id, None)
-        if not rows:
+        if read_status(future) <= 0:
             return
         blocks = future.result()
         copy_blocks_into(self.storage, slots, [blocks[r] for r in rows])
+        self.nvme.recycle(blocks)  # copied out, or not wanted: their read buffers are read into again
 
     def _clear(self) -> None:
         for future in self.loads.values():

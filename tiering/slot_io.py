@@ -12,10 +12,47 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.tiering.block_file import BlockHeader
+from kvstrata.tiering.block_file import ALIGN, BlockHeader
 from kvstrata.tiering.disk_io import aligned_buffer
 from kvstrata.tiering.slab import SlabFiles
 from kvstrata.tiering.slot_codec import stage, unstage
+
+
+class ReadBuffers:
+    """Aligned slot-sized buffers for reads, handed back after use and read into again. On the VM
+    measured, a fresh 0.74 MB buffer cost about 234 us of page faults before the first byte was
+    read: about as long as reading it. At most `limit` buffers wait here; others go to the GC."""
+
+    def __init__(self, slot_bytes: int, limit: int):
+        self.slot_bytes = slot_bytes
+        self.limit = limit
+        self._free: dict[int, torch.Tensor] = {}  # by address: a buffer handed back twice waits here once
+        self._lock = threading.Lock()
+
+    def take(self) -> torch.Tensor:
+        with self._lock:
+            if self._free:
+                return self._free.popitem()[1]
+        return aligned_buffer(self.slot_bytes)  # [slot_bytes]
+
+    def give(self, bufs: list[torch.Tensor]) -> None:
+        with self._lock:
+            for buf in bufs:
+                if len(self._free) >= self.limit:
+                    return
+                self._free[buf.data_ptr()] = buf
+
+    def buffer_of(self, block: torch.Tensor) -> torch.Tensor | None:
+        """The read buffer a block returned by a read is a view of, or None for any other tensor
+        (aligned_buffer: one storage of slot_bytes + ALIGN bytes, the buffer at its aligned start)."""
+        storage = block.untyped_storage()
+        if block.device.type != "cpu" or storage.nbytes() != self.slot_bytes + ALIGN:
+            return None
+        start = -storage.data_ptr() % ALIGN
+        return torch.empty(0, dtype=torch.uint8).set_(storage, start, (self.slot_bytes,))
+
+    def __len__(self) -> int:
+        return len(self._free)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +70,7 @@ class SlotIO:
     """Runs of at most max_run adjacent slots (and never across a slab) per IO."""
 
     def __init__(self, slabs: SlabFiles, layout_tag: str, dtype: torch.dtype, block_shape: tuple[int, ...],
-                 payload_bytes: int, max_run: int):
+                 payload_bytes: int, max_run: int, buffers: ReadBuffers):
         self.slabs = slabs
         self.layout_tag = layout_tag
         self.dtype = dtype
@@ -41,6 +78,7 @@ class SlotIO:
         self.block_shape = block_shape
         self.payload_bytes = payload_bytes
         self.max_run = max_run
+        self.buffers = buffers
         self._thread_local = threading.local()  # each IO thread's staging buffer
 
     def is_our_layout(self, header: BlockHeader) -> bool:
@@ -92,15 +130,16 @@ class SlotIO:
         """Adjacent slots (see run_length), in one preadv: (block, False) for each good one, (None,
         True) for a bad one (IO error, no header, another block or layout, a failed checksum).
         If the preadv fails, the slots are read one by one, so that only a bad slot is lost."""
-        size = self.slabs.geometry.slot_bytes
-        bufs = [aligned_buffer(size) for _ in slots]  # [slot_bytes] each, the blocks are views of them
+        bufs = [self.buffers.take() for _ in slots]  # [slot_bytes] each, the blocks are views of them
         try:
             self.slabs.read_run(slots[0], bufs)
             read_ok = [True] * len(slots)
         except (OSError, ValueError):
             read_ok = [self._try_read(slot, buf) for slot, buf in zip(slots, bufs)]
-        return [self._check(buf, block_hash) if ok else (None, True)
-                for buf, block_hash, ok in zip(bufs, hashes, read_ok)]
+        out = [self._check(buf, block_hash) if ok else (None, True)
+               for buf, block_hash, ok in zip(bufs, hashes, read_ok)]
+        self.buffers.give([buf for buf, (block, _) in zip(bufs, out) if block is None])
+        return out
 
     def _try_read(self, slot: int, buf: torch.Tensor) -> bool:
         try:
