@@ -330,9 +330,9 @@ class TierManager:
     def _commit(self, load: _Load, good: int) -> None:
         """The first `good` blocks of a finished load into DRAM; the other ranks copy theirs into the
         same slots."""
+        read_here = read_status(load.future)  # blocks read on this rank: `good`, or more with other ranks
         if self.group_reads is not None:
             self.group_reads.pop(load.load_id, None)
-            read_here = read_status(load.future)
             for h in load.hashes[good:read_here]:  # another rank missed them: write them anew next time
                 self.nvme.discard(h)
         hashes, rows, slots = load.hashes[:good], [], []
@@ -352,7 +352,7 @@ class TierManager:
                     if h in self.host:
                         self.recorder.stored([h], parent, DRAM)
             self.counters.loaded_from_nvme += good
-        if read_status(load.future) > 0:  # copied out, or not wanted: their read buffers are read into again
+        if read_here > 0:  # copied out, or not wanted: their read buffers are read into again
             self.nvme.recycle(load.future.result())
         if self.copy_log is not None:
             self.copy_log.append((COMMIT, [load.load_id, *rows], slots))

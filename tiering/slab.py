@@ -133,13 +133,7 @@ class SlabFiles:
         if len(bufs) == 1:
             self.read(slot, bufs[0])
             return
-        k, offset = self.geometry.locate(slot)
-        fd = self._fds.get(k)
-        if fd is None:
-            raise OSError(errno.ENOENT, f"no slab {k}")
-        want = sum(b.numel() for b in bufs)
-        if os.preadv(fd, [memoryview(b.numpy()) for b in bufs], offset) != want:
-            raise ValueError(f"short read at slab {k} offset {offset}")
+        self.read_at(*self.geometry.locate(slot), *bufs)
 
     def run_length(self, slots: list[int], start: int, limit: int) -> int:
         """How many of slots[start:] (sorted) are adjacent to slots[start], in its slab, up to limit."""
@@ -150,11 +144,12 @@ class SlabFiles:
             n += 1
         return n
 
-    def read_at(self, k: int, offset: int, buf: torch.Tensor) -> None:
+    def read_at(self, k: int, offset: int, *bufs: torch.Tensor) -> None:
+        """One preadv at (slab, offset) into the buffers, one after another."""
         fd = self._fds.get(k)
         if fd is None:
             raise OSError(errno.ENOENT, f"no slab {k}")
-        if os.preadv(fd, [memoryview(buf.numpy())], offset) != buf.numel():
+        if os.preadv(fd, [memoryview(b.numpy()) for b in bufs], offset) != sum(b.numel() for b in bufs):
             raise ValueError(f"short read at slab {k} offset {offset}")
 
     def erase(self, slot: int) -> None:
