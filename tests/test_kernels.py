@@ -24,8 +24,8 @@ needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler")
                                    (9, 100, 30), (70, 97, 17), (64, 96, 5), (0, 16, 4)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_gemm_matches_linear(dtype, m, n, k, with_bias):
-    """Row counts across micro-tiles (8 rows) and row blocks (64); column counts across and off the
-    48-column groups."""
+    """Row counts across micro-tiles (8 rows with AVX-512, 4 with AVX2) and row blocks (64); column
+    counts across and off the packed groups (48 or 24 columns)."""
     gen = torch.Generator().manual_seed(m * 100 + n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).to(dtype)
@@ -35,6 +35,24 @@ def test_packed_gemm_matches_linear(dtype, m, n, k, with_bias):
     assert got.shape == (m, n) and got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), ref.to(dtype).float(), rtol=tol, atol=tol * k ** 0.5)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+@needs_kernels
+@pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="not an x86 CPU with AVX2")
+def test_packed_groups_follow_the_vector_registers():
+    """The tile is sized for the build's registers: 48-column groups with AVX-512, 24 with AVX2 only
+    (an AVX-512-sized tile on AVX2 spilled, and ran about 30x slower). A weight packs into whole groups."""
+    assert KERNELS.gemm_group == (48 if "avx512f" in _cpu_flags() else 24)
+    packed = KERNELS.pack(torch.randn(50, 8))
+    assert packed.data.numel() == -(-50 // KERNELS.gemm_group) * KERNELS.gemm_group * 8
 
 
 @needs_kernels
@@ -65,6 +83,26 @@ def test_bf16_auto_backend_switches_on_row_count(rows):
     x, w = torch.randn(rows, 32, generator=gen).bfloat16(), torch.randn(48, 32, generator=gen).bfloat16()
     ref = F.linear(x.float(), w.float())
     torch.testing.assert_close(lin(x, lin.prepare(w), None).float(), ref, rtol=3e-2, atol=0.2)
+
+
+@needs_kernels
+def test_bf16_uses_onednn_only_where_it_has_a_bf16_inner_product():
+    """On an AVX2-only CPU oneDNN cannot build a bf16 inner product: auto falls back to the packed
+    kernel alone, and asking for onednn is a clear error instead of a crash at the first step."""
+    from kvstrata.worker.linear import HybridLinear, PackedLinear, _onednn_bf16_runs
+
+    cpu = torch.device("cpu")
+    lin = select_linear(cpu, torch.bfloat16, "auto")
+    if _onednn_bf16_runs():
+        assert isinstance(lin, HybridLinear)
+        assert select_linear(cpu, torch.bfloat16, "onednn").name == "onednn"
+    else:
+        assert isinstance(lin, PackedLinear)
+        with pytest.raises(ValueError, match="onednn"):
+            select_linear(cpu, torch.bfloat16, "onednn")
+    x, w = torch.randn(40, 32).bfloat16(), torch.randn(48, 32).bfloat16()
+    torch.testing.assert_close(lin(x, lin.prepare(w), None).float(), F.linear(x.float(), w.float()),
+                               rtol=3e-2, atol=0.2)
 
 
 def test_linear_backend_errors_name_the_choice():

@@ -2,11 +2,11 @@
 
 Decode attention reads K/V in place from the block pool instead of gathering them into a padded
 copy, which on CPU costs more than the attention itself. Projections multiply by weights packed
-once at load into 48-column groups: at decode shapes 1.3-2x faster than oneDNN, which repacks on
-every call. float32 RMSNorm is fused with the residual add before it. The shared object is built
-once per source, flags, compiler and CPU into the kvstrata cache directory (atomically, so
-concurrent workers are safe), and links against the OpenMP runtime torch has already loaded, so
-both share one thread pool. Without a compiler, or with KVSTRATA_CPU_KERNELS=0,
+once at load into column groups sized for the CPU's vector registers: at decode shapes 1.3-2x
+faster than oneDNN, which repacks on every call. float32 RMSNorm is fused with the residual add
+before it. The shared object is built once per source, flags, compiler and CPU into the kvstrata
+cache directory (atomically, so concurrent workers are safe), and links against the OpenMP runtime
+torch has already loaded, so both share one thread pool. Without a compiler, or with KVSTRATA_CPU_KERNELS=0,
 `load_cpu_kernels()` returns None and the engine runs on oneDNN and plain torch.
 """
 
@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "gemm.c", "norm.c", "block_copy.c")]
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-shared", "-fPIC"]
-GEMM_GROUP = 48  # output columns per packed group (NR in csrc/gemm.c)
 
 
 class CpuKernels:
@@ -52,6 +51,9 @@ class CpuKernels:
             fn.restype = None
         lib.kvs_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
         lib.kvs_pack.restype = None
+        lib.kvs_gemm_group.argtypes = []
+        lib.kvs_gemm_group.restype = ctypes.c_int64
+        self.gemm_group = lib.kvs_gemm_group()  # output columns per packed group: NR in csrc/gemm.c
         lib.kvs_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_add_rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_rms_norm_f32.restype = lib.kvs_add_rms_norm_f32.restype = None
@@ -104,12 +106,12 @@ class CpuKernels:
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     def pack(self, weight: torch.Tensor) -> PackedWeight:
-        """weight [N, K] (float32 or bfloat16) -> groups of 48 output columns, ready for `gemm`."""
+        """weight [N, K] (float32 or bfloat16) -> groups of `gemm_group` output columns, ready for `gemm`."""
         if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2:
             raise ValueError(f"can only pack 2-D float32 or bfloat16 weights, not {weight.dtype} {tuple(weight.shape)}")
         w = weight.contiguous()
         n, k = w.shape
-        data = torch.empty(-(-n // GEMM_GROUP) * k * GEMM_GROUP, dtype=w.dtype)
+        data = torch.empty(-(-n // self.gemm_group) * k * self.gemm_group, dtype=w.dtype)
         self._lib.kvs_pack(w.data_ptr(), data.data_ptr(), n, k, w.element_size())
         return PackedWeight(data, n, k)
 
@@ -192,7 +194,7 @@ def _dense_f32(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A [n, k] weight in 48-column groups (see csrc/gemm.c); `data` keeps its dtype."""
+    """A [n, k] weight in groups of CpuKernels.gemm_group columns (see csrc/gemm.c); `data` keeps its dtype."""
 
     data: torch.Tensor
     n: int

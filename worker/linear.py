@@ -2,8 +2,8 @@
 
 On CPU, oneDNN and MKL come close to the cores' FLOP/s on large products but much less at the small
 row counts of a decode step, because they repack the weights on every call. So on CPU the weights
-are packed once into 48-column groups and multiplied by a C kernel (`packed`, see csrc/gemm.c),
-which also stays ahead of oneDNN at prefill-sized row counts. In bf16, oneDNN's
+are packed once into column groups (48 or 24 wide, by the CPU's vectors) and multiplied by a C
+kernel (`packed`, see csrc/gemm.c), which also stays ahead of oneDNN at prefill-sized row counts. In bf16, oneDNN's
 bf16 dot-product instructions win from about 8 rows on, so bf16 keeps both layouts. oneDNN
 (`onednn`) and plain `F.linear` (`torch`) remain for machines without a C compiler and for GPUs.
 Results agree with `F.linear` to float rounding.
@@ -11,6 +11,7 @@ Results agree with `F.linear` to float rounding.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -93,7 +94,20 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and (dtype != torch.bfloat16 or _onednn_bf16_runs())
     )
+
+
+@functools.cache
+def _onednn_bf16_runs() -> bool:
+    """Whether oneDNN has a bf16 inner product on this CPU: it needs AVX-512 (an AVX2-only CPU gets
+    "could not create a primitive descriptor"). Tried once, on a tiny product."""
+    try:
+        x, w = torch.ones(8, 32, dtype=torch.bfloat16), torch.ones(16, 32, dtype=torch.bfloat16)
+        torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
 
 
 def select_linear(device: torch.device, dtype: torch.dtype,

@@ -3,7 +3,7 @@
  * Work is split over (sequence, KV head) pairs. Each pair streams its blocks once, keeping the
  * G = H / Hkv query heads that share the KV head together, with an online softmax, so nothing is
  * gathered or copied and every K/V byte is read once per step from memory. Queries and output
- * accumulators live in registers; scores of 16 tokens are reduced together (transpose_sum16).
+ * accumulators live in registers; scores of VW tokens are reduced together (transpose_sumv).
  *
  *   k_cache, v_cache: [num_blocks, block_size, Hkv, row]: fp32 rows of D, bf16 rows of D stored as
  *                     uint16, byte-code rows: D one-byte codes (int8 or fp8, decoded through a
@@ -29,9 +29,25 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
-typedef float v16f __attribute__((vector_size(64)));
+/* Vectors of VW floats, the width of the build's registers: 16 with AVX-512, else 8 (AVX2). A 16-lane
+ * type on AVX2 takes two registers each, and the kernel's queries and accumulators then spilled to
+ * memory: it read K/V at 6 GB/s where the 8-lane build reads at the host's bandwidth. */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef int32_t vi __attribute__((vector_size(4 * VW)));
+typedef float v16f __attribute__((vector_size(64))); /* the int4 unpacking works on 32 channels at a time */
 typedef int32_t v16i __attribute__((vector_size(64)));
 #define UNROLL _Pragma("GCC unroll 16")
+
+static inline __attribute__((always_inline)) vf loadv(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
 
 static inline __attribute__((always_inline)) v16f load16(const float *p) {
     v16f v;
@@ -39,63 +55,83 @@ static inline __attribute__((always_inline)) v16f load16(const float *p) {
     return v;
 }
 
-static const v16i lane_ids = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static const v16i lane_ids16 = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#if VW == 16
+static const vi lane_ids = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+static const vi lane_ids = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
+
+static inline __attribute__((always_inline)) vf selectv(vi mask, vf a, vf b) {
+    vi r = (mask & (vi)a) | (~mask & (vi)b);
+    return (vf)r;
+}
 
 static inline __attribute__((always_inline)) v16f select16(v16i mask, v16f a, v16f b) {
     v16i r = (mask & (v16i)a) | (~mask & (v16i)b);
     return (v16f)r;
 }
 
-static inline __attribute__((always_inline)) v16f vmax16(v16f a, v16f b) {
-    return select16(a > b, a, b);
+static inline __attribute__((always_inline)) vf vmaxv(vf a, vf b) {
+    return selectv(a > b, a, b);
 }
 
-static inline __attribute__((always_inline)) float hsum16(v16f v) {
-    float t[16];
+static inline __attribute__((always_inline)) float hsumv(vf v) {
+    float t[VW];
     memcpy(t, &v, sizeof t);
     float a = 0.0f;
-    for (int i = 0; i < 16; i++) a += t[i];
+    for (int i = 0; i < VW; i++) a += t[i];
     return a;
 }
 
-static inline __attribute__((always_inline)) float hmax16(v16f v) {
-    float t[16];
+static inline __attribute__((always_inline)) float hmaxv(vf v) {
+    float t[VW];
     memcpy(t, &v, sizeof t);
     float a = t[0];
-    for (int i = 1; i < 16; i++) a = t[i] > a ? t[i] : a;
+    for (int i = 1; i < VW; i++) a = t[i] > a ? t[i] : a;
     return a;
 }
 
 /* e^x for x <= 0 (softmax arguments), to about 2e-7 relative: 2^(x log2 e) split into an integer
  * power, put straight into the exponent bits, and 2^f for |f| <= 1/2 by its Taylor series. Inputs
  * below -87 give e^-87 (about 1.6e-38), which is as good as zero next to the block maximum's 1. */
-static inline __attribute__((always_inline)) v16f exp16(v16f x) {
-    const v16f lo = (v16f){0} - 87.0f;
-    x = vmax16(x, lo);
-    v16f t = x * 1.44269504f;
-    v16f n = (t + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 pushes the fraction out */
-    v16f f = t - n;
-    v16f p = 1.3333558e-3f + f * 1.5403530e-4f;
+static inline __attribute__((always_inline)) vf expv(vf x) {
+    const vf lo = (vf){0} - 87.0f;
+    x = vmaxv(x, lo);
+    vf t = x * 1.44269504f;
+    vf n = (t + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 pushes the fraction out */
+    vf f = t - n;
+    vf p = 1.3333558e-3f + f * 1.5403530e-4f;
     p = 9.6181291e-3f + f * p;
     p = 5.5504109e-2f + f * p;
     p = 2.4022651e-1f + f * p;
     p = 6.9314718e-1f + f * p;
     p = 1.0f + f * p;
-    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return p * (v16f)e;
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)e;
 }
 
-/* sums[j] = the lane sum of p[j], for 16 vectors at once: four rounds of pairwise lane sums, each
- * round halving the vectors (45 vector operations, against about 110 for 16 separate tree sums). */
-static inline __attribute__((always_inline)) v16f transpose_sum16(const v16f *p) {
+/* sums[j] = the lane sum of p[j], for VW vectors at once: log2(VW) rounds of pairwise lane sums,
+ * each round halving the vectors (45 vector operations for 16, against about 110 for 16 separate
+ * tree sums). */
+static inline __attribute__((always_inline)) vf transpose_sumv(const vf *p) {
+#if VW == 16
 #define PAIRS(a, b)                                                                                                 \
     (__builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +                  \
      __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31))
-    v16f r1[8], r2[4], r3[2];
+    vf r1[8], r2[4], r3[2];
     UNROLL for (int i = 0; i < 8; i++) r1[i] = PAIRS(p[2 * i], p[2 * i + 1]);
     UNROLL for (int i = 0; i < 4; i++) r2[i] = PAIRS(r1[2 * i], r1[2 * i + 1]);
     UNROLL for (int i = 0; i < 2; i++) r3[i] = PAIRS(r2[2 * i], r2[2 * i + 1]);
     return PAIRS(r3[0], r3[1]);
+#else
+#define PAIRS(a, b) \
+    (__builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15))
+    vf r2[4], r3[2];
+    UNROLL for (int i = 0; i < 4; i++) r2[i] = PAIRS(p[2 * i], p[2 * i + 1]);
+    UNROLL for (int i = 0; i < 2; i++) r3[i] = PAIRS(r2[2 * i], r2[2 * i + 1]);
+    return PAIRS(r3[0], r3[1]);
+#endif
 #undef PAIRS
 }
 
@@ -186,7 +222,7 @@ static inline __attribute__((always_inline)) const float *load_row(const void *c
                     sa = (v16f){0} + f->lut[scales[2 * k]];
                     sb = (v16f){0} + f->lut[scales[2 * k + 1]];
                 } else {
-                    v16i low_half = lane_ids < 8;
+                    v16i low_half = lane_ids16 < 8;
                     sa = select16(low_half, (v16f){0} + f->lut[scales[4 * k]], (v16f){0} + f->lut[scales[4 * k + 1]]);
                     sb = select16(low_half, (v16f){0} + f->lut[scales[4 * k + 2]],
                                   (v16f){0} + f->lut[scales[4 * k + 3]]);
@@ -218,24 +254,24 @@ static inline __attribute__((always_inline)) const float *load_row(const void *c
 
 #define QMAX 4 /* queries of one KV head held in registers at once (d = 64; half that for d = 128) */
 
-/* One sequence, one KV head, NQ (<= QMAX) of its queries, head size DV vectors of 16: queries and
+/* One sequence, one KV head, NQ (<= QMAX) of its queries, head size DV vectors of VW: queries and
  * output accumulators stay in registers, and each K/V row of the head is read once per block. */
 static inline __attribute__((always_inline)) void decode_queries(
     const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, float *out,
     int64_t kv_head, int64_t num_kv_heads, const int NQ, const int DV, int64_t bs, float scale, const RowFormat *f,
     float *work) {
-    const int64_t d = 16 * DV;
-    v16f qv[QMAX][128 / 16], acc[QMAX][128 / 16];
+    const int64_t d = VW * DV;
+    vf qv[QMAX][128 / VW], acc[QMAX][128 / VW];
     float m[QMAX], l[QMAX];
     int64_t bs16 = (bs + 15) / 16 * 16;
-    v16f *part = (v16f *)work;           /* [NQ][16] per-token partial products */
-    float *s = (float *)(part + QMAX * 16); /* [NQ][bs16] scores, then probabilities, of one block */
+    vf *part = (vf *)work;               /* [NQ][VW] per-token partial products */
+    float *s = (float *)(part + QMAX * VW); /* [NQ][bs16] scores, then probabilities, of one block */
     float *buf = s + QMAX * bs16;        /* [d] a row decoded to float */
     float *kp = buf + d;                 /* [2d] an int4 key block's steps and zero points */
     UNROLL for (int g = 0; g < NQ; g++) {
         UNROLL for (int i = 0; i < DV; i++) {
-            qv[g][i] = load16(q + g * d + 16 * i) * scale;
-            acc[g][i] = (v16f){0};
+            qv[g][i] = loadv(q + g * d + VW * i) * scale;
+            acc[g][i] = (vf){0};
         }
         m[g] = -1e30f;
         l[g] = 0.0f;
@@ -255,10 +291,10 @@ static inline __attribute__((always_inline)) void decode_queries(
             next_v = (const char *)v_cache + off;
         }
         int64_t row_bytes = num_kv_heads * head_bytes;
-        /* scores, 16 tokens at a time */
-        for (int64_t j0 = 0; j0 < n; j0 += 16) {
-            int64_t nj = n - j0 < 16 ? n - j0 : 16;
-            for (int64_t j = 0; j < 16; j++) {
+        /* scores, VW tokens at a time */
+        for (int64_t j0 = 0; j0 < n; j0 += VW) {
+            int64_t nj = n - j0 < VW ? n - j0 : VW;
+            for (int64_t j = 0; j < VW; j++) {
                 if (j < nj) {
                     if (next_k) {
                         for (int64_t b = 0; b < head_bytes; b += 64) {
@@ -268,49 +304,65 @@ static inline __attribute__((always_inline)) void decode_queries(
                     }
                     const float *kr = load_row(k_cache, (block * bs + j0 + j) * num_kv_heads + kv_head, d,
                                                f, key_params, buf);
-                    v16f kv[128 / 16];
-                    UNROLL for (int i = 0; i < DV; i++) kv[i] = load16(kr + 16 * i);
+                    vf kv[128 / VW];
+                    UNROLL for (int i = 0; i < DV; i++) kv[i] = loadv(kr + VW * i);
                     UNROLL for (int g = 0; g < NQ; g++) {
-                        v16f t = qv[g][0] * kv[0];
+                        vf t = qv[g][0] * kv[0];
                         UNROLL for (int i = 1; i < DV; i++) t += qv[g][i] * kv[i];
-                        part[g * 16 + j] = t;
+                        part[g * VW + j] = t;
                     }
                 } else {
-                    UNROLL for (int g = 0; g < NQ; g++) part[g * 16 + j] = (v16f){0};
+                    UNROLL for (int g = 0; g < NQ; g++) part[g * VW + j] = (vf){0};
                 }
             }
-            v16i live = lane_ids < (int32_t)nj;
+            vi live = lane_ids < (int32_t)nj;
             UNROLL for (int g = 0; g < NQ; g++) {
-                v16f sc = transpose_sum16(part + g * 16);
-                sc = select16(live, sc, (v16f){0} - 1e30f); /* padding: weighs e^-87, never read by the value pass */
+                vf sc = transpose_sumv(part + g * VW);
+                sc = selectv(live, sc, (vf){0} - 1e30f); /* padding: weighs e^-87, never read by the value pass */
                 memcpy(s + g * bs16 + j0, &sc, sizeof sc);
             }
         }
         /* online softmax over this block; score lanes past n were set to -inf-like above */
-        int64_t chunks = (n + 15) / 16;
+        int64_t chunks = (n + VW - 1) / VW;
         UNROLL for (int g = 0; g < NQ; g++) {
             float *sr = s + g * bs16;
-            v16f vmax = load16(sr);
-            for (int64_t c = 1; c < chunks; c++) vmax = vmax16(vmax, load16(sr + 16 * c));
-            float mx = hmax16(vmax);
+            vf vmax = loadv(sr);
+            for (int64_t c = 1; c < chunks; c++) vmax = vmaxv(vmax, loadv(sr + VW * c));
+            float mx = hmaxv(vmax);
             mx = mx > m[g] ? mx : m[g];
-            float corr = exp16((v16f){0} + (m[g] - mx))[0];
-            v16f vsum = {0};
+            float corr = expv((vf){0} + (m[g] - mx))[0];
+            vf vsum = {0};
             for (int64_t c = 0; c < chunks; c++) {
-                v16f e = exp16(load16(sr + 16 * c) - mx);
+                vf e = expv(loadv(sr + VW * c) - mx);
                 vsum += e;
-                memcpy(sr + 16 * c, &e, sizeof e);
+                memcpy(sr + VW * c, &e, sizeof e);
             }
             if (corr != 1.0f)
                 UNROLL for (int i = 0; i < DV; i++) acc[g][i] *= corr;
             m[g] = mx;
-            l[g] = l[g] * corr + hsum16(vsum);
+            l[g] = l[g] * corr + hsumv(vsum);
         }
         /* weighted values */
+        if (VW == 8 && f->kind == ROW_F32) {
+            /* AVX2 has 16 registers, fewer than the NQ x DV accumulators: one query at a time keeps
+             * its DV accumulators in registers and reads the block's value rows (in L1 after the
+             * first query) as memory operands, instead of spilling every accumulator every token */
+            UNROLL for (int g = 0; g < NQ; g++) {
+                vf a[128 / VW];
+                UNROLL for (int i = 0; i < DV; i++) a[i] = acc[g][i];
+                for (int64_t j = 0; j < n; j++) {
+                    const float *vr = (const float *)v_cache + ((block * bs + j) * num_kv_heads + kv_head) * d;
+                    float p = s[g * bs16 + j];
+                    UNROLL for (int i = 0; i < DV; i++) a[i] += p * loadv(vr + VW * i);
+                }
+                UNROLL for (int i = 0; i < DV; i++) acc[g][i] = a[i];
+            }
+            continue;
+        }
         for (int64_t j = 0; j < n; j++) {
             const float *vr = load_row(v_cache, (block * bs + j) * num_kv_heads + kv_head, d, f, NULL, buf);
-            v16f vv[128 / 16];
-            UNROLL for (int i = 0; i < DV; i++) vv[i] = load16(vr + 16 * i);
+            vf vv[128 / VW];
+            UNROLL for (int i = 0; i < DV; i++) vv[i] = loadv(vr + VW * i);
             UNROLL for (int g = 0; g < NQ; g++) {
                 float p = s[g * bs16 + j];
                 UNROLL for (int i = 0; i < DV; i++) acc[g][i] += p * vv[i];
@@ -320,8 +372,8 @@ static inline __attribute__((always_inline)) void decode_queries(
     UNROLL for (int g = 0; g < NQ; g++) {
         float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
         UNROLL for (int i = 0; i < DV; i++) {
-            v16f o = acc[g][i] * inv;
-            memcpy(out + g * d + 16 * i, &o, sizeof o);
+            vf o = acc[g][i] * inv;
+            memcpy(out + g * d + VW * i, &o, sizeof o);
         }
     }
 }
@@ -383,13 +435,13 @@ static inline __attribute__((always_inline)) void decode_head(
 #define VARIANT(NQ, DV) decode_queries(qc, k_cache, v_cache, table, ctx, oc, kv_head, num_kv_heads, NQ, DV, bs, \
                                        scale, f, work)
         if (d == 64) {
-            if (nq == 4) VARIANT(4, 4);
-            else if (nq == 3) VARIANT(3, 4);
-            else if (nq == 2) VARIANT(2, 4);
-            else VARIANT(1, 4);
+            if (nq == 4) VARIANT(4, 64 / VW);
+            else if (nq == 3) VARIANT(3, 64 / VW);
+            else if (nq == 2) VARIANT(2, 64 / VW);
+            else VARIANT(1, 64 / VW);
         } else {
-            if (nq == 2) VARIANT(2, 8);
-            else VARIANT(1, 8);
+            if (nq == 2) VARIANT(2, 128 / VW);
+            else VARIANT(1, 128 / VW);
         }
 #undef VARIANT
     }
