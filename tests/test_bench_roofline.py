@@ -85,6 +85,37 @@ def test_peak_measurements_are_positive_and_name_their_backends():
     assert read > 0 and copy > 0
 
 
+def test_a_backend_far_slower_at_the_screen_skips_the_large_sizes(monkeypatch):
+    """A backend with no native kernels for the dtype (torch's bf16 matmul on an AVX2 CPU took 58 s
+    at 2048) is timed once at the screen size and keeps that rate; the others go on to every size."""
+    import time
+
+    import kvstrata.worker.linear as linear
+
+    seen: list[int] = []
+
+    class Slow:
+        def prepare(self, w):
+            return w
+
+        def __call__(self, x, w, bias):
+            seen.append(x.shape[0])
+            time.sleep(0.2)  # a 384-product at well under a tenth of torch.matmul's rate
+            return x @ w.T
+
+    def fake_select(device, dtype, name):
+        if name == "onednn":
+            raise ValueError("not here")
+        return Slow()
+
+    monkeypatch.setattr(linear, "select_linear", fake_select)
+    m = measure_matmul("float32", sizes=(64, 128), repeats=1)
+    assert seen and set(seen) == {384}  # the screen only (a warm-up and one timing): never at 64 or 128
+    assert set(m.by_backend) == {"torch.matmul", "packed"}
+    assert m.by_backend["packed"] < m.by_backend["torch.matmul"] / 10
+    assert m.flops_per_s == m.by_backend["torch.matmul"]
+
+
 @pytest.mark.slow
 def test_bench_roofline_cli_tiny(tmp_path):
     from tests.test_cli import kvstrata
