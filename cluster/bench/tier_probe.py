@@ -3,15 +3,24 @@
 In the chat the tier's IO threads share the cores with forward passes, so its rates there mix the
 disk with CPU contention. This probe moves the chat's own block layout through a fresh tier with
 nothing else running: a burst of puts into new slab space, a second burst into the slots of the
-first (each put evicts one), then one get_many of the second burst, each timed from the first call
-to the last block done. Every round measures one thread's sequential IO of the same bytes in the
-same directory first (8 MB chunks, O_DIRECT where the tier uses it), so that each pair shares the
-disk's moment; the report quotes the medians of the rounds.
+first (each put evicts one), then get_many of the second burst, each timed from the first call to
+the last block done.
+
+The disk's reference is one thread's sequential O_DIRECT IO of the same bytes in the same
+directory, taken in **lockstep** with the tier: every burst is cut into segments, and before each
+tier segment the same number of bytes moves through a plain file (8 MB chunks): extending writes
+into a new file beside new slab space, overwrites of that file beside reused slots, and reads of it
+beside the tier's reads. Each side's rate is its bytes over the sum of its own segments' times.
+This VM's disk swings between about 0.6 and 3.9 GB/s from one second to the next, so a reference
+taken before the tier, even moments before, was compared with another disk; in lockstep both sides
+see the same moments. The report quotes, for each kind of IO, the round whose ratio is the median.
 """
 
 from __future__ import annotations
 
 import gc
+import mmap
+import os
 import shutil
 import statistics
 import time
@@ -21,21 +30,24 @@ from pathlib import Path
 
 import torch
 
-from kvstrata.cluster.bench.bandwidth import MB, measure_direct
+from kvstrata.cluster.bench.bandwidth import MB
 
 PROBE_DIR = "tier-probe"
+RAW_FILE = ".kvstrata-tier-probe-raw"
 _TAG = "probe"  # the probe tier's layout tag
 _NUM_PATTERNS = 8  # distinct block contents cycled through the puts
+_CHUNK = 8 * MB  # the reference's IO size
 
 
 @dataclass(frozen=True, slots=True)
 class ProbeRound:
-    """Bytes/s of one round; raw_* are None where the filesystem has no O_DIRECT."""
+    """Bytes/s of one round; raw_* (the lockstep reference) are None where the filesystem has no O_DIRECT."""
 
     write_new: float
     write_reused: float
     read: float
-    raw_write: float | None
+    raw_write_new: float | None  # extending writes into a new file
+    raw_write_reused: float | None  # overwrites of that file
     raw_read: float | None
 
 
@@ -44,6 +56,7 @@ class TierProbe:
     num_blocks: int
     slot_bytes: int
     direct_io: bool
+    segments: int
     rounds: list[ProbeRound]
 
     def median(self, name: str) -> float | None:
@@ -53,57 +66,124 @@ class TierProbe:
     def to_json(self) -> dict:
         gb = {k: None if (m := self.median(k)) is None else round(m / 1e9, 3) for k in ProbeRound.__slots__}
         return {"num_blocks": self.num_blocks, "slot_bytes": self.slot_bytes, "direct_io": self.direct_io,
-                "median_gb_per_s": gb, "rounds": [asdict(r) for r in self.rounds]}
+                "segments": self.segments, "median_gb_per_s": gb, "rounds": [asdict(r) for r in self.rounds]}
+
+
+class _RawFile:
+    """The reference: sequential O_DIRECT IO on a plain file, `step` bytes per call, from a page-aligned
+    buffer of random bytes. Seconds per call; None throughout where the filesystem refuses O_DIRECT."""
+
+    def __init__(self, path: Path, clock: Callable[[], float]):
+        self.path = path
+        self.clock = clock
+        self.buf = mmap.mmap(-1, _CHUNK)  # page-aligned, as O_DIRECT needs
+        self.buf.write(os.urandom(_CHUNK))
+        try:
+            self.fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+        except (OSError, AttributeError):
+            self.fd = None
+
+    def move(self, op: str, offset: int, num_bytes: int) -> float | None:
+        """op "w" or "r": num_bytes (a multiple of the page size) from offset, in chunks; the seconds taken."""
+        if self.fd is None:
+            return None
+        start = self.clock()
+        try:
+            end = offset + num_bytes
+            while offset < end:
+                n = min(_CHUNK, end - offset)
+                view = memoryview(self.buf)[:n]
+                done = os.pwritev(self.fd, [view], offset) if op == "w" else os.preadv(self.fd, [view], offset)
+                view.release()
+                if done != n:
+                    raise OSError(f"short {op} of the reference file at {offset}")
+                offset += n
+        except OSError:  # EINVAL on the first IO: open accepted the flag, the filesystem does not
+            os.close(self.fd)
+            self.fd = None
+            return None
+        return self.clock() - start
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+        self.path.unlink(missing_ok=True)
+        self.buf.close()
 
 
 def probe_nvme_tier(directory: Path, block_shape: tuple[int, ...], dtype: torch.dtype, num_bytes: int,
-                    rounds: int = 3, clock: Callable[[], float] = time.perf_counter) -> TierProbe:
-    """`rounds` rounds of about num_bytes each way through a tier in directory/tier-probe (removed after)."""
+                    rounds: int = 3, segments: int = 8,
+                    clock: Callable[[], float] = time.perf_counter) -> TierProbe:
+    """`rounds` rounds of about num_bytes each way through a tier in directory/tier-probe (removed
+    after), each burst in `segments` segments beside the reference's."""
     from kvstrata.tiering.block_file import max_head_len
     from kvstrata.tiering.nvme import NvmeTier
     from kvstrata.tiering.slab import SLAB_BYTES, SlabGeometry
 
-    if rounds <= 0:
-        raise ValueError(f"rounds must be positive, got {rounds}")
+    if rounds <= 0 or segments <= 0:
+        raise ValueError(f"rounds and segments must be positive, got {rounds} and {segments}")
     payload = torch.Size(block_shape).numel() * dtype.itemsize
     head = max_head_len(_TAG, str(dtype).removeprefix("torch."), tuple(block_shape))
     slot_bytes = SlabGeometry.plan(0, head, payload, SLAB_BYTES).slot_bytes
     patterns = [torch.randint(0, 256, (payload,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
                 .view(dtype).view(block_shape) for i in range(_NUM_PATTERNS)]
     num_blocks = max(2, num_bytes // payload)
+    segments = min(segments, num_blocks)
+    parts = [range(num_blocks * s // segments, num_blocks * (s + 1) // segments) for s in range(segments)]
     tier_dir = directory / PROBE_DIR
     results, direct = [], False
     total = num_blocks * slot_bytes
     for r in range(rounds):
         shutil.rmtree(tier_dir, ignore_errors=True)
-        raw_write, raw_read = measure_direct(directory, max(1, total // (8 * MB)), min(8 * MB, total), clock)
         tier = NvmeTier(tier_dir, total, block_shape, dtype, layout_tag=_TAG)
+        raw = _RawFile(directory / RAW_FILE, clock)
         try:
             direct = tier.direct_io
             assert tier.geometry.slot_bytes == slot_bytes, "the probe sized its tier by another slot"
             keys = [[f"{r}/{burst}/{i}".encode() for i in range(num_blocks)] for burst in range(2)]
-            writes = [_put_burst(tier, burst, patterns, clock) for burst in keys]
-            gc.collect()
-            start = clock()
-            got = tier.get_many(keys[1]).result()
-            read_s = clock() - start
-            if any(g is None or not torch.equal(g.view(torch.uint8), patterns[i % _NUM_PATTERNS].view(torch.uint8))
-                   for i, g in enumerate(got)):
-                raise RuntimeError(f"the NVMe tier probe read back wrong or missing blocks in {tier_dir}")
+            times: dict[str, list[float | None]] = {}
+
+            def lockstep(name: str, op: str, tier_part: Callable[[range], float]) -> None:
+                mine, ref = times.setdefault(name, []), times.setdefault("raw_" + name, [])
+                for part in parts:
+                    ref.append(raw.move(op, part.start * slot_bytes, len(part) * slot_bytes))
+                    mine.append(tier_part(part))
+
+            lockstep("write_new", "w", lambda part: _put_burst(tier, keys[0], part, patterns, clock))
+            lockstep("write_reused", "w", lambda part: _put_burst(tier, keys[1], part, patterns, clock))
+            lockstep("read", "r", lambda part: _get_burst(tier, keys[1], part, patterns, clock))
         finally:
             tier.close()
+            raw.close()
             shutil.rmtree(tier_dir, ignore_errors=True)
-        results.append(ProbeRound(total / writes[0], total / writes[1], total / read_s, raw_write, raw_read))
-    return TierProbe(num_blocks, slot_bytes, direct, results)
+        rate = {k: None if None in v else total / sum(v) for k, v in times.items()}
+        results.append(ProbeRound(**rate))
+    return TierProbe(num_blocks, slot_bytes, direct, segments, results)
 
 
-def _put_burst(tier, keys: list[bytes], patterns: list[torch.Tensor], clock: Callable[[], float]) -> float:
-    """Seconds from the first put to the last block stored; RuntimeError if one was not."""
+def _put_burst(tier, keys: list[bytes], part: range, patterns: list[torch.Tensor],
+               clock: Callable[[], float]) -> float:
+    """Seconds from the first put of keys[part] to the last block stored; RuntimeError if one was not."""
     gc.collect()  # a collection in the middle would time the interpreter, not the tier
     start = clock()
-    futures = [tier.put(k, None, patterns[i % len(patterns)]) for i, k in enumerate(keys)]
+    futures = [tier.put(keys[i], None, patterns[i % len(patterns)]) for i in part]
     stored = [f.result() for f in futures]
     seconds = clock() - start
     if not all(stored):
-        raise RuntimeError(f"the NVMe tier probe could not store {stored.count(False)} of {len(keys)} blocks")
+        raise RuntimeError(f"the NVMe tier probe could not store {stored.count(False)} of {len(part)} blocks")
+    return seconds
+
+
+def _get_burst(tier, keys: list[bytes], part: range, patterns: list[torch.Tensor],
+               clock: Callable[[], float]) -> float:
+    """Seconds of one get_many of keys[part]; RuntimeError if a block came back wrong or missing.
+    The blocks go back to the tier's read buffers afterwards, as the tier manager does."""
+    gc.collect()
+    start = clock()
+    got = tier.get_many([keys[i] for i in part]).result()
+    seconds = clock() - start
+    if any(g is None or not torch.equal(g.view(torch.uint8), patterns[i % len(patterns)].view(torch.uint8))
+           for i, g in zip(part, got)):
+        raise RuntimeError(f"the NVMe tier probe read back wrong or missing blocks in {tier.directory}")
+    tier.recycle(got)
     return seconds

@@ -57,7 +57,8 @@ def format_report(r: TieringReport) -> str:
     if r.tier_probe is not None:
         tp = r.tier_probe
         lines.append(f"NVMe tier alone: {tp.num_blocks} blocks ({tp.num_blocks * tp.slot_bytes / 1e6:.0f} MB) each way, "
-                     f"medians of {len(tp.rounds)} rounds, each beside one thread's 8 MB O_DIRECT IO of the same bytes")
+                     f"{len(tp.rounds)} rounds in lockstep with one thread's 8 MB O_DIRECT IO of the same bytes; "
+                     f"each row from the round with the median ratio")
     lines.append("targets:")
     for t in r.targets():
         mark = {True: "met", False: "MISSED", None: "n/a"}[t.met]

@@ -41,21 +41,23 @@ def nvme_transfers(nvme: dict[str, Any], disk: DiskRates) -> list[Transfer]:
 
 
 def probe_transfers(probe: TierProbe | None) -> list[Transfer]:
-    """The tier alone (medians over the probe's rounds) against the O_DIRECT IO of the same rounds;
-    none without a probe, or where the filesystem has no O_DIRECT to compare with."""
+    """The tier alone against the O_DIRECT IO taken in lockstep with it, each row from the round
+    whose ratio is the median (a round's two rates share the disk's moments; medians taken column
+    by column would pair rounds that did not); none without a probe, or where the filesystem has no
+    O_DIRECT to compare with."""
     if probe is None or not probe.direct_io:
         return []
-    raw_write, raw_read = probe.median("raw_write"), probe.median("raw_read")
-    if raw_write is None or raw_read is None:
-        return []
-    rounds = "sequential O_DIRECT {}, same rounds"
-    return [
-        Transfer("NVMe write alone, new space", probe.median("write_new") / 1e9, rounds.format("write"),
-                 raw_write / 1e9),
-        Transfer("NVMe write alone, reused slots", probe.median("write_reused") / 1e9, rounds.format("write"),
-                 raw_write / 1e9),
-        Transfer("NVMe read alone", probe.median("read") / 1e9, rounds.format("read"), raw_read / 1e9),
-    ]
+    rows = []
+    for name, kind, reference in (("NVMe write alone, new space", "write_new", "O_DIRECT extending writes"),
+                                  ("NVMe write alone, reused slots", "write_reused", "O_DIRECT overwrites"),
+                                  ("NVMe read alone", "read", "O_DIRECT reads")):
+        pairs = sorted((getattr(r, kind) / ref, getattr(r, kind), ref) for r in probe.rounds
+                       if (ref := getattr(r, "raw_" + kind)) is not None)
+        if not pairs:
+            return []
+        _, rate, ref = pairs[len(pairs) // 2]
+        rows.append(Transfer(name, rate / 1e9, reference + ", lockstep", ref / 1e9))
+    return rows
 
 
 def _rate(num_bytes: int, seconds: float) -> float | None:
