@@ -102,9 +102,46 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t k
     }
 }
 
+/* One row of x (a batch-1 decode step): the weights stream once, so this is a read of the packed
+ * groups at memory speed. KU k steps run on separate accumulators, so the adds do not wait on each
+ * other; each thread's groups are contiguous and read in order, so the hardware prefetcher follows
+ * them, with one software prefetch per KU steps. The tile above, with its prefetch of the next
+ * group, read about 66 GB/s here where this reads 82-88 (2-core AMD EPYC, 40 fresh 7 MB weights). */
+#define KU 4
+static inline __attribute__((always_inline)) void gemv_group(const float *x, int64_t k, const void *wp, int64_t g,
+                                                             float *y, int ncols, int is_bf16) {
+    vfl acc[KU][NP];
+    UNROLL for (int u = 0; u < KU; u++)
+        UNROLL for (int j = 0; j < NP; j++) acc[u][j] = (vfl){0};
+    int64_t base = g * k * NR, kk = 0;
+    const char *pf = (const char *)wp + (base + PF * NR) * (is_bf16 ? 2 : 4);
+    for (; kk + KU <= k; kk += KU) {
+        __builtin_prefetch(pf + kk * NR * (is_bf16 ? 2 : 4));
+        UNROLL for (int u = 0; u < KU; u++) {
+            float xv = x[kk + u];
+            UNROLL for (int j = 0; j < NP; j++) acc[u][j] += xv * loadv(wp, base + (kk + u) * NR + VW * j, is_bf16);
+        }
+    }
+    for (; kk < k; kk++)
+        UNROLL for (int j = 0; j < NP; j++) acc[0][j] += x[kk] * loadv(wp, base + kk * NR + VW * j, is_bf16);
+    UNROLL for (int u = 1; u < KU; u++)
+        UNROLL for (int j = 0; j < NP; j++) acc[0][j] += acc[u][j];
+    memcpy(y, acc[0], (size_t)ncols * sizeof(float));
+}
+
 static inline __attribute__((always_inline)) void gemm(const float *x, const void *wp, const float *bias, float *y,
                                                        int64_t m, int64_t n, int64_t k, int is_bf16) {
     int64_t groups = (n + NR - 1) / NR, blocks = (m + MB - 1) / MB;
+    if (m == 1) {
+#pragma omp parallel for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            int ncols = (g + 1) * NR <= n ? NR : (int)(n - g * NR);
+            gemv_group(x, k, wp, g, y + g * NR, ncols, is_bf16);
+            if (bias)
+                for (int64_t c = g * NR; c < g * NR + ncols; c++) y[c] += bias[c];
+        }
+        return;
+    }
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         for (int64_t g = 0; g < groups; g++) {
