@@ -38,6 +38,22 @@ def test_packed_gemm_matches_linear(dtype, m, n, k, with_bias):
     torch.testing.assert_close(got.float(), ref.to(dtype).float(), rtol=tol, atol=tol * k ** 0.5)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(dtype):
+    """One row alone (its own path) and the same row among 2 to 70 others (the tiles, across row
+    blocks) give the same bits, so a request's outputs do not depend on how it was batched."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 100, 77
+    w = KERNELS.pack(torch.randn(n, k, generator=gen).to(dtype))
+    b = torch.randn(n, generator=gen).to(dtype)
+    rows = torch.randn(70, k, generator=gen).to(dtype)
+    alone = torch.cat([KERNELS.gemm(rows[i : i + 1], w, b) for i in range(70)])
+    for m in (2, 5, 8, 9, 64, 70):
+        together = KERNELS.gemm(rows[:m], w, b)
+        assert torch.equal(together, alone[:m]), m
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
