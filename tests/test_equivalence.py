@@ -79,3 +79,19 @@ def test_bfloat16_engine_stays_close_to_float32(llm, prompt_ids, reference):
     assert agree >= len(ref) // 2, (out.token_ids, ref)
     assert "Paris" in out.text
     bf16.check_integrity()
+
+
+def test_a_prompts_outputs_are_the_same_bits_alone_or_batched(llm, prompt_ids):
+    """In float32 with the C kernels, every row of a step is computed apart from the others (the
+    one-row GEMM sums in the tiles' order; attention runs per sequence and KV head), so greedy
+    tokens and their log-probabilities do not depend on what else was in the batch."""
+    from kvstrata.worker.cpu_kernels import load_cpu_kernels
+
+    if llm.engine.runner.model.cpu_kernels is None or load_cpu_kernels() is None:
+        pytest.skip("needs the CPU kernels")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    alone = llm.generate([prompt_ids[1]], params)[0].outputs[0]
+    batched = llm.generate(prompt_ids[:3], params)[1].outputs[0]
+    assert batched.token_ids == alone.token_ids
+    assert batched.logprobs == alone.logprobs  # exact: dicts of floats, compared bit for bit
+    assert len(alone.logprobs) == 12 and all(len(lp) >= 2 for lp in alone.logprobs)
