@@ -263,3 +263,61 @@ def test_block_copy_between_the_pool_and_the_dram_layout(dtype):
         KERNELS.copy_blocks(pool, 2, [0], torch.zeros(2, 3, 2, 4, 2, 4, dtype=dtype), 0, [0])
     with pytest.raises(ValueError, match="as many"):
         KERNELS.copy_blocks(pool, 2, [0, 1], host, 0, [0])
+
+
+@needs_kernels
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_fused_rope_and_kv_write_match_the_torch_ops(tokens):
+    """The C pass rotates queries and keys in place as RotaryEmbedding.rotate does (float rounding
+    aside: the same bits where torch's addcmul fuses, as on x86) and writes the rotated keys and
+    the values at their slots, leaving every other slot alone."""
+    from kvstrata.worker.attention import write_kv
+
+    h, hkv, d, nb, bs = 9, 3, 64, 12, 16
+    gen = torch.Generator().manual_seed(tokens)
+    rope = RotaryEmbedding(d, 4096, 10000.0, None, torch.float32, torch.device("cpu"))
+    qkv = torch.randn(tokens, (h + 2 * hkv) * d, generator=gen)
+    cos, sin = rope.lookup(torch.randint(0, 4096, (tokens,), generator=gen))
+    slots = torch.randperm(nb * bs, generator=gen)[:tokens]
+    k_ref, v_ref = torch.full((nb, bs, hkv, d), 7.0), torch.full((nb, bs, hkv, d), 7.0)
+    qk = rope.rotate(qkv[:, : (h + hkv) * d].view(tokens, -1, d), cos, sin)
+    write_kv(k_ref, v_ref, qk[:, h:], qkv[:, (h + hkv) * d :].view(tokens, hkv, d), slots)
+    fused, k_got, v_got = qkv.clone(), torch.full_like(k_ref, 7.0), torch.full_like(v_ref, 7.0)
+    KERNELS.rope_write_kv(fused, h, hkv, cos, sin, k_got, v_got, slots)
+    torch.testing.assert_close(fused[:, : (h + hkv) * d].view(tokens, -1, d), qk, rtol=0, atol=1e-6)
+    assert torch.equal(fused[:, (h + hkv) * d :], qkv[:, (h + hkv) * d :])  # values are not rotated
+    assert torch.equal(v_got, v_ref)
+    flat_k = k_got.view(nb * bs, hkv, d)
+    assert torch.equal(flat_k[slots], fused[:, h * d : (h + hkv) * d].view(tokens, hkv, d))
+    torch.testing.assert_close(k_got, k_ref, rtol=0, atol=1e-6)
+
+
+@needs_kernels
+def test_fused_rope_rejects_what_it_cannot_take():
+    kc = vc = torch.zeros(2, 16, 3, 64)
+    cos = sin = torch.zeros(1, 64)
+    with pytest.raises(ValueError, match="qkv"):
+        KERNELS.rope_write_kv(torch.zeros(1, 100), 9, 3, cos, sin, kc, vc, torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        KERNELS.rope_write_kv(torch.zeros(1, 15 * 64), 9, 3, cos, sin, kc, vc, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="cos"):
+        KERNELS.rope_write_kv(torch.zeros(2, 15 * 64), 9, 3, cos, sin, kc, vc, torch.zeros(2, dtype=torch.int64))
+
+
+@needs_kernels
+def test_a_slot_outside_the_pool_is_refused_before_the_fused_write(llm):
+    """The C pass writes where slot_mapping says: the model checks the step's slots first."""
+    from kvstrata.worker.attention import AttentionMetadata
+
+    runner = llm.engine.runner
+    model, cache = runner.model, runner.kv_cache
+    if model.cpu_kernels is None:
+        pytest.skip("the model runs without the C kernels")
+    capacity = cache.shape[2] * cache.shape[3]
+    before = cache.clone()
+    for bad in (capacity, -1):
+        meta = AttentionMetadata(slot_mapping=torch.tensor([0, bad]), num_decodes=0, decode_block_tables=None,
+                                 decode_seq_lens=None, decode_mask=None, prefills=[])
+        with pytest.raises(ValueError, match="slot_mapping"):
+            model.forward(torch.tensor([5, 6]), torch.tensor([0, 1]), meta, cache)
+    assert torch.equal(cache, before)

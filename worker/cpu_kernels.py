@@ -30,7 +30,8 @@ from kvstrata.worker.gguf_loader import cache_root
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "gemm.c", "norm.c", "block_copy.c")]
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("paged_attention.c", "gemm.c", "norm.c", "rope.c", "block_copy.c")]
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-shared", "-fPIC"]
 
@@ -57,6 +58,8 @@ class CpuKernels:
         lib.kvs_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_add_rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_rms_norm_f32.restype = lib.kvs_add_rms_norm_f32.restype = None
+        lib.kvs_rope_write_kv_f32.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 5
+        lib.kvs_rope_write_kv_f32.restype = None
         lib.kvs_copy_blocks.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7
         lib.kvs_copy_blocks.restype = None
 
@@ -167,6 +170,32 @@ class CpuKernels:
         di = torch.tensor(dst_ids, dtype=torch.int64)
         self._lib.kvs_copy_blocks(src.data_ptr(), dst.data_ptr(), si.data_ptr(), di.data_ptr(), len(src_ids),
                                   segments, piece_bytes, s_seg, s_block, d_seg, d_block)
+
+    def rope_write_kv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
+                      signed_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+        """One layer's rotary embedding and K/V write (csrc/rope.c): qkv [T, (H + 2 Hkv) * D] float32,
+        its queries and keys rotated in place; cos, signed_sin [T, D] (or [T, 1, D]); caches
+        [num_blocks, block_size, Hkv, D] float32 get the rotated keys and the values at slot_mapping
+        [T], which must be in range (the caller checks once per step, not per layer)."""
+        tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+        if (qkv.dtype != torch.float32 or not qkv.is_contiguous()
+                or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim):
+            raise ValueError(f"qkv must be dense float32 [T, {(num_heads + 2 * num_kv_heads) * head_dim}]")
+        if head_dim % 2 or head_dim > 256 or k_cache.shape[-2] != num_kv_heads:
+            raise ValueError(f"rope_write_kv needs an even head_dim up to 256 and {num_kv_heads} KV heads")
+        for t in (k_cache, v_cache):
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError("rope_write_kv needs dense float32 K/V caches")
+        cos, signed_sin = _dense_f32(cos), _dense_f32(signed_sin)
+        if cos.numel() != tokens * head_dim or signed_sin.numel() != tokens * head_dim:
+            raise ValueError(f"cos and sin must hold [{tokens}, {head_dim}] values")
+        slots = _dense_int64(slot_mapping)
+        if slots.numel() != tokens:
+            raise ValueError(f"slot_mapping has {slots.numel()} entries for {tokens} tokens")
+        self._lib.kvs_rope_write_kv_f32(qkv.data_ptr(), tokens, qkv.shape[1], num_heads, num_kv_heads, head_dim,
+                                        cos.data_ptr(), signed_sin.data_ptr(), k_cache.data_ptr(),
+                                        v_cache.data_ptr(), slots.data_ptr())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x: [T, n] float32 -> normalised and scaled copy."""

@@ -118,15 +118,21 @@ class LlamaModel:
         num_tokens = residual.shape[0]
         cos, sin = self.rope.lookup(positions)
         qk_size = self.q_size + self.kv_size
+        fused_rope = self._fused_rope(kv_cache, meta)
         x = self._rms_norm(residual, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
             qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) * D]
-            # queries and keys rotate together: [T, H + Hkv, D]
-            qk = self.rope.rotate(qkv[:, :qk_size].view(num_tokens, -1, c.head_dim), cos, sin)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, c.head_dim)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kv_format)
+            if fused_rope:  # rotated in place and written to the pool in one C pass
+                self.cpu_kernels.rope_write_kv(qkv, self.num_heads, self.num_kv_heads, cos, sin, k_cache, v_cache,
+                                               meta.slot_mapping)
+                q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, c.head_dim)
+            else:
+                # queries and keys rotate together: [T, H + Hkv, D]
+                qk = self.rope.rotate(qkv[:, :qk_size].view(num_tokens, -1, c.head_dim), cos, sin)
+                q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+                v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, c.head_dim)
+                write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kv_format)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
             if meta.attention_observer is not None:
                 meta.attention_observer(i, q, k_cache, meta)
@@ -143,6 +149,18 @@ class LlamaModel:
             else:
                 residual.add_(mlp)
         return residual
+
+    def _fused_rope(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step rotates and writes K/V through the C kernel: float32 on CPU with the
+        kernels, plain float rows, a head size it takes. Its slots are checked here, once a step."""
+        if (self.cpu_kernels is None or kv_cache.dtype != torch.float32 or self.config.head_dim % 2
+                or self.config.head_dim > 256 or (meta.kv_format is not None and not meta.kv_format.is_plain)):
+            return False
+        slots = meta.slot_mapping
+        capacity = kv_cache.shape[2] * kv_cache.shape[3]
+        if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < capacity):
+            raise ValueError(f"slot_mapping holds slots outside the pool's {capacity}")
+        return True
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernels is not None:
