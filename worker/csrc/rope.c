@@ -4,8 +4,9 @@
  *     q, k rotated in place:  x' = x * cos + roll(x, D/2) * signed_sin   (signed_sin = [-sin | sin])
  *     k_cache[slot[t]] = k'(t),  v_cache[slot[t]] = v(t)      (caches [slots, Hkv, D])
  *
- * torch runs this as a multiply, a roll, a multiply-add and two index copies per layer, about 40
- * us at 32 tokens on a 2-core host, mostly per-op overhead. Each value is formed as torch's addcmul
+ * torch runs this as a multiply, a roll, a multiply-add and two index copies per layer: 27 us at
+ * 32 tokens and 16 at one on a 2-core AVX-512 EPYC, mostly per-op overhead, where this pass takes
+ * 8 and 5 (from Python, checks included). Each value is formed as torch's addcmul
  * forms it on x86 (a rounded product x * cos, then one fused multiply-add), so the two paths give
  * the same bits there; the function is built without further contraction to keep it that way.
  */
