@@ -8,9 +8,10 @@ block. Writes queue, and an IO thread takes up to 1 MB of them at once, gives th
 slots go lowest first, so a burst of demotions lands in adjacent slots) and writes each run of
 adjacent slots in one pwrite; a batch of reads sorts its slots and reads each run in one preadv
 (slot_io.py moves the bytes; this module keeps the index and which slot is free, written or read).
-Small blocks thus move in few large IOs; blocks of 1 MB or more still move one per IO, two IO
-threads keeping two in flight (on the disk measured, 0.74 MB writes at queue depth 2 outran
-8 MB ones). Every read checks the header, the block's identity, the layout and
+Small blocks thus move in few large IOs; blocks of 1 MB or more still move one per IO, four IO
+threads keeping four in flight (on the disk measured, 0.74 MB writes at queue depth 2 outran
+8 MB ones, and four threads moved 0.74 MB blocks 1.5-1.7x faster into new space, 1.2x into
+reused slots and 1.1-1.4x on reads than two). Every read checks the header, the block's identity, the layout and
 a CRC-32 of the payload, and anything wrong reads as a miss and frees the slot. The index
 (nvme_index.py) lives in memory, is rebuilt from the slots' headers at open, oldest write first
 (each header carries a write sequence number), and evicts least-recently-used leaves first.
@@ -100,7 +101,7 @@ class NvmeTier:
     """
 
     def __init__(self, directory: str | Path, capacity_bytes: int, block_shape: tuple[int, ...],
-                 dtype: torch.dtype, layout_tag: str = "", num_io_threads: int = 2,
+                 dtype: torch.dtype, layout_tag: str = "", num_io_threads: int = 4,
                  direct_io: bool | None = None, slab_bytes: int = SLAB_BYTES):
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
