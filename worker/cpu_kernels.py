@@ -6,8 +6,9 @@ once at load into column groups sized for the CPU's vector registers: at decode 
 faster than oneDNN, which repacks on every call. float32 RMSNorm is fused with the residual add
 before it. The shared object is built once per source, flags, compiler and CPU into the kvstrata
 cache directory (atomically, so concurrent workers are safe), and links against the OpenMP runtime
-torch has already loaded, so both share one thread pool. Without a compiler, or with KVSTRATA_CPU_KERNELS=0,
-`load_cpu_kernels()` returns None and the engine runs on oneDNN and plain torch.
+torch has already loaded, so both share one thread pool. Without a compiler, or with
+KVSTRATA_CPU_KERNELS=0, `load_cpu_kernels()` returns None and the engine runs on oneDNN and plain
+torch. RoPE and the K/V write of a layer are one more C pass (csrc/rope.c).
 """
 
 from __future__ import annotations

@@ -127,9 +127,10 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t k
  * groups at memory speed. Each thread's groups are contiguous and read in order, which the hardware
  * prefetcher follows; the tile's prefetching of the next group, spread over its k steps, only cost
  * issue slots here (66 GB/s with it, 80-84 without, on a 2-core AMD EPYC with 40 fresh 7 MB
- * weights). bf16 weights, half the bytes per k step, are prefetched 64 k steps ahead. The sums run in the tile's order, one fused multiply-add per k step in one accumulator,
- * so a row's result is the same bits whatever the number of rows beside it: outputs do not depend
- * on how requests were batched. (Four accumulators over alternate k steps read a few % faster.) */
+ * weights). bf16 weights, half the bytes per k step, are prefetched 64 k steps ahead. The sums
+ * run in the tile's order, one fused multiply-add per k step in one accumulator, so a row's result
+ * is the same bits whatever the number of rows beside it: outputs do not depend on how requests
+ * were batched. (Four accumulators over alternate k steps read a few % faster.) */
 static inline __attribute__((always_inline)) void gemv_group(const float *x, int64_t k, const void *wp, int64_t g,
                                                              float *y, int ncols, int is_bf16) {
     vfl acc[NP];
