@@ -32,7 +32,7 @@ from kvstrata.worker.gguf_loader import cache_root
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("paged_attention.c", "gemm.c", "norm.c", "rope.c", "block_copy.c")]
+            for name in ("paged_attention.c", "gemm.c", "norm.c", "rope.c", "layer.c", "block_copy.c")]
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-shared", "-fPIC"]
 

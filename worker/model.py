@@ -104,6 +104,9 @@ class LlamaModel:
             self.cpu_kernels = load_cpu_kernels()
         self.q_size = self.num_heads * c.head_dim
         self.kv_size = self.num_kv_heads * c.head_dim
+        from kvstrata.worker.fused_decode import FusedDecode
+
+        self.fused_decode = FusedDecode.build(self)  # decode-only steps, two C calls a layer
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -120,6 +123,10 @@ class LlamaModel:
         qk_size = self.q_size + self.kv_size
         fused_rope = self._fused_rope(kv_cache, meta)
         x = self._rms_norm(residual, self.layers[0].input_norm)
+        if (fused_rope and self.fused_decode is not None and kv_cache.is_contiguous()
+                and self.fused_decode.takes(meta, num_tokens)):
+            self.fused_decode.forward(residual, x, cos, sin, meta, kv_cache)
+            return residual
         for i, layer in enumerate(self.layers):
             qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) * D]
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]

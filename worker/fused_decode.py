@@ -1,0 +1,113 @@
+"""Decode-only steps in float32 on CPU: each layer is two C calls (csrc/layer.c) and the SiLU in torch.
+
+A step's layer is otherwise about ten Python-level calls (projections, RoPE and K/V write,
+attention, norms), each with its checks and its ctypes or torch dispatch: about 30-40 us a layer,
+a fifth of a batch-1 step on a 2-core host. Here the same kernels run from C on the same buffers in
+the same order, so the hidden states are the same bits as the call-by-call path's. The pointers
+that stay for the model's life are set up once; a step sets up its own once, for all layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from kvstrata.worker.cpu_kernels import CpuKernels, PackedWeight
+
+if TYPE_CHECKING:
+    from kvstrata.worker.attention import AttentionMetadata
+    from kvstrata.worker.model import LlamaModel
+
+_P = ctypes.c_void_p
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down", "next_norm")]
+
+
+class _DecodeStep(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_int64) for name in ("tokens", "hidden", "qkv_n", "inter", "num_heads",
+                                                     "num_kv_heads", "head_dim", "block_size", "table_width")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                + [(name, _P) for name in ("cos", "ssin", "slots", "block_tables", "seq_lens", "residual", "x",
+                                           "qkv", "attn", "o", "gate_up", "act")])
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float().contiguous()
+
+
+class FusedDecode:
+    """Built for a model whose projections are packed float32 weights (see `build`)."""
+
+    def __init__(self, kernels: CpuKernels, model: LlamaModel):
+        lib = kernels._lib
+        lib.kvs_layer_attention.argtypes = [_P] * 4
+        lib.kvs_layer_mlp.argtypes = [_P] * 2
+        lib.kvs_layer_attention.restype = lib.kvs_layer_mlp.restype = None
+        self._attention, self._mlp = lib.kvs_layer_attention, lib.kvs_layer_mlp
+        c = model.config
+        self.model = model
+        self.inter = model.layers[0].gate_up.n // 2
+        self.qkv_n = model.layers[0].qkv.n
+        layers = model.layers
+        self._keep: list[torch.Tensor] = []  # float32 copies the C side points into
+        self._weights = (_LayerWeights * len(layers))()
+        for i, layer in enumerate(layers):
+            bias, post = _f32(layer.qkv_bias), _f32(layer.post_norm)
+            nxt = _f32(layers[i + 1].input_norm) if i + 1 < len(layers) else None
+            self._keep += [t for t in (bias, post, nxt) if t is not None]
+            ptr = [None if t is None else t.data_ptr() for t in (
+                layer.qkv.data, bias, layer.o_proj.data, post, layer.gate_up.data, layer.down.data, nxt)]
+            self._weights[i] = _LayerWeights(*ptr)
+        self._refs = [ctypes.byref(w) for w in self._weights]
+        self.eps, self.head_dim = c.rms_norm_eps, c.head_dim
+
+    @staticmethod
+    def build(model: LlamaModel) -> FusedDecode | None:
+        """None unless every projection is a packed float32 weight and the model has no ranks to sum."""
+        kernels = model.cpu_kernels
+        if kernels is None or model.all_reduce is not None or model.dtype != torch.float32:
+            return None
+        weights = [w for layer in model.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        if not all(isinstance(w, PackedWeight) and w.data.dtype == torch.float32 for w in weights):
+            return None
+        return FusedDecode(kernels, model)
+
+    @staticmethod
+    def takes(meta: AttentionMetadata, num_tokens: int) -> bool:
+        """A decode-only step whose attention runs in the C kernel, with nobody watching the scores."""
+        return (not meta.prefills and meta.num_decodes == num_tokens and meta.cpu_kernels is not None
+                and meta.attention_observer is None and meta.decode_block_tables is not None)
+
+    def forward(self, residual: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
+        """residual [T, hidden] (updated in place to the last layer's output) and x its normed copy;
+        kv_cache [L, 2, blocks, block_size, Hkv, D] float32, dense; the slots already checked."""
+        m = self.model
+        tokens, hidden = residual.shape
+        qkv = torch.empty(tokens, self.qkv_n)
+        attn = torch.empty(tokens, m.num_heads * self.head_dim)
+        o = torch.empty(tokens, hidden)
+        gate_up = torch.empty(tokens, 2 * self.inter)
+        act = torch.empty(tokens, self.inter)
+        tables = meta.decode_block_tables.to(torch.int64).contiguous()
+        lens = meta.decode_seq_lens.to(torch.int64).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
+        step = _DecodeStep(tokens, hidden, self.qkv_n, self.inter, m.num_heads, m.num_kv_heads, self.head_dim,
+                           kv_cache.shape[3], tables.shape[1], self.eps, m.scale, cos.data_ptr(),
+                           signed_sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                           residual.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), o.data_ptr(),
+                           gate_up.data_ptr(), act.data_ptr())
+        sp = ctypes.byref(step)
+        gate, up = gate_up[:, : self.inter], gate_up[:, self.inter :]
+        base, layer_bytes, kv_bytes = kv_cache.data_ptr(), kv_cache.stride(0) * 4, kv_cache.stride(1) * 4
+        for i, ref in enumerate(self._refs):
+            k_ptr = base + i * layer_bytes
+            self._attention(ref, sp, k_ptr, k_ptr + kv_bytes)
+            torch.mul(F.silu(gate), up, out=act)
+            self._mlp(ref, sp)
