@@ -123,8 +123,8 @@ class LlamaModel:
         qk_size = self.q_size + self.kv_size
         fused_rope = self._fused_rope(kv_cache, meta)
         x = self._rms_norm(residual, self.layers[0].input_norm)
-        if (fused_rope and self.fused_decode is not None and kv_cache.is_contiguous()
-                and self.fused_decode.takes(meta, num_tokens)):
+        if (fused_rope and self.fused_decode is not None and self.all_reduce is None  # set after load at TP
+                and kv_cache.is_contiguous() and self.fused_decode.takes(meta, num_tokens)):
             self.fused_decode.forward(residual, x, cos, sin, meta, kv_cache)
             return residual
         for i, layer in enumerate(self.layers):
