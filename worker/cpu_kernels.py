@@ -61,6 +61,12 @@ class CpuKernels:
         lib.kvs_rms_norm_f32.restype = lib.kvs_add_rms_norm_f32.restype = None
         lib.kvs_rope_write_kv_f32.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 5
         lib.kvs_rope_write_kv_f32.restype = None
+        # a decode-only layer in two calls (csrc/layer.c, driven by fused_decode.py): pointers to its
+        # LayerWeights and DecodeStep structs, then the layer's K and V caches for the first
+        lib.kvs_layer_attention.argtypes = [ctypes.c_void_p] * 4
+        lib.kvs_layer_mlp.argtypes = [ctypes.c_void_p] * 2
+        lib.kvs_layer_attention.restype = lib.kvs_layer_mlp.restype = None
+        self.layer_attention, self.layer_mlp = lib.kvs_layer_attention, lib.kvs_layer_mlp
         lib.kvs_copy_blocks.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7
         lib.kvs_copy_blocks.restype = None
 

@@ -44,11 +44,7 @@ class FusedDecode:
     """Built for a model whose projections are packed float32 weights (see `build`)."""
 
     def __init__(self, kernels: CpuKernels, model: LlamaModel):
-        lib = kernels._lib
-        lib.kvs_layer_attention.argtypes = [_P] * 4
-        lib.kvs_layer_mlp.argtypes = [_P] * 2
-        lib.kvs_layer_attention.restype = lib.kvs_layer_mlp.restype = None
-        self._attention, self._mlp = lib.kvs_layer_attention, lib.kvs_layer_mlp
+        self._attention, self._mlp = kernels.layer_attention, kernels.layer_mlp
         c = model.config
         self.model = model
         self.inter = model.layers[0].gate_up.n // 2
