@@ -149,3 +149,75 @@ def test_kernel_softmax_is_stable_for_large_scores(d):
     out = paged_attention(q, k_cache, v_cache, _decode_meta(torch.tensor([[0]]), torch.tensor([4]), "kernel"), 1.0)
     torch.testing.assert_close(out[0, 0, :2], torch.tensor([0.0, 1.0]))
     assert torch.isfinite(out).all()
+
+
+def _prefill_case(h, h_kv, d, block, specs, gen):
+    """Prefill chunks (new tokens, context) over K/V in shuffled blocks, and a query tensor for all."""
+    num_blocks = sum(-(-ctx // block) for _, ctx in specs) + 3
+    k_cache = torch.randn(num_blocks, block, h_kv, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block, h_kv, d, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    chunks, row = [], 0
+    for n, ctx in specs:
+        chunks.append(PrefillChunk(row, n, ctx, torch.tensor([perm.pop() for _ in range(-(-ctx // block))])))
+        row += n
+    return k_cache, v_cache, chunks, torch.randn(row, h, d, generator=gen)
+
+
+def _prefill_meta(chunks, kernels):
+    rows = sum(c.num_tokens for c in chunks)
+    return AttentionMetadata(slot_mapping=torch.zeros(rows, dtype=torch.long), num_decodes=0,
+                             decode_block_tables=None, decode_seq_lens=None, decode_mask=None, prefills=chunks,
+                             cpu_kernels=kernels)
+
+
+# whole prompts, chunks after a cached prefix, one-token chunks, and tiles across the chunk's last rows
+PREFILL_SPECS = [(40, 40), (32, 288), (1, 17), (5, 21), (17, 17), (3, 64)]
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+@pytest.mark.parametrize("h,h_kv,d", [(9, 3, 64), (8, 8, 64), (8, 2, 128), (4, 1, 64)])
+def test_c_prefill_attention_equals_the_torch_path(h, h_kv, d):
+    gen = torch.Generator().manual_seed(h * 100 + h_kv + d)
+    k_cache, v_cache, chunks, q = _prefill_case(h, h_kv, d, 16, PREFILL_SPECS, gen)
+    meta = _prefill_meta(chunks, KERNELS)
+    got = paged_attention(q, k_cache, v_cache, meta, d ** -0.5)
+    assert meta.prefill_arrays is not None  # the C kernel took it
+    want = paged_attention(q, k_cache, v_cache, _prefill_meta(chunks, None), d ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # one chunk alone gives the same bits: tiles never mix chunks
+    alone = paged_attention(q[40:72], k_cache, v_cache, _prefill_meta([PrefillChunk(0, 32, 288, chunks[1].block_ids)],
+                                                                       KERNELS), d ** -0.5)
+    assert torch.equal(alone, got[40:72])
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+def test_c_prefill_reads_queries_in_place_from_the_fused_projection():
+    gen = torch.Generator().manual_seed(3)
+    h, h_kv, d = 9, 3, 64
+    k_cache, v_cache, chunks, q = _prefill_case(h, h_kv, d, 16, PREFILL_SPECS, gen)
+    qkv = torch.cat([q.flatten(1), torch.randn(q.shape[0], 2 * h_kv * d, generator=gen)], dim=1)
+    view = qkv[:, : h * d].view(-1, h, d)  # token rows (h + 2 h_kv) d floats apart
+    got = paged_attention(view, k_cache, v_cache, _prefill_meta(chunks, KERNELS), d ** -0.5)
+    want = paged_attention(q, k_cache, v_cache, _prefill_meta(chunks, None), d ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+@pytest.mark.parametrize("d,block", [(32, 16), (64, 8)])
+def test_shapes_the_c_prefill_does_not_take_go_through_torch(d, block):
+    gen = torch.Generator().manual_seed(d + block)
+    k_cache, v_cache, chunks, q = _prefill_case(4, 2, d, block, [(6, 6), (3, 20)], gen)
+    assert not KERNELS.paged_prefill(q, k_cache, v_cache, torch.empty_like(q),
+                                     _prefill_meta(chunks, KERNELS).prefill_arrays or _arrays(chunks), 0.5)
+    got = paged_attention(q, k_cache, v_cache, _prefill_meta(chunks, KERNELS), 0.5)
+    torch.testing.assert_close(got, paged_attention(q, k_cache, v_cache, _prefill_meta(chunks, None), 0.5))
+
+
+def _arrays(chunks):
+    from kvstrata.worker.cpu_kernels import PrefillArrays
+
+    width = max(len(c.block_ids) for c in chunks)
+    tables = torch.stack([torch.nn.functional.pad(c.block_ids, (0, width - len(c.block_ids))) for c in chunks])
+    return PrefillArrays(*(torch.tensor(v) for v in zip(*((c.token_start, c.num_tokens, c.context_len)
+                                                          for c in chunks))), tables)

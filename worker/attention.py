@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kvstrata.worker.cpu_kernels import CpuKernels
+from kvstrata.worker.cpu_kernels import CpuKernels, PrefillArrays
 from kvstrata.worker.kv_format import KVFormat
 
 
@@ -43,6 +43,7 @@ class AttentionMetadata:
     # called after each layer's attention as observer(layer, q [T, H, D], k_cache, meta): token
     # eviction policies that need attention scores (H2O, SnapKV) read them here
     attention_observer: Callable[[int, torch.Tensor, torch.Tensor, "AttentionMetadata"], None] | None = None
+    prefill_arrays: PrefillArrays | None = None  # the prefills for the C kernel, built at the first layer
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -64,10 +65,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     decoded = _decode(q[:d], k_cache, v_cache, meta, scale) if d else None
     if not meta.prefills and decoded is not None:
         return decoded  # decode-only step (the common case): no copy into a shared output
-    out = torch.empty_like(q)
-    num_kv_heads = k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if decoded is not None:
         out[:d] = decoded
+    if _prefill_in_c(q, k_cache, v_cache, meta, scale, out):
+        return out
+    num_kv_heads = k_cache.shape[2]
     for p in meta.prefills:
         ctx = p.context_len
         # k, v: [ctx, Hkv, D] gathered from this request's blocks
@@ -78,6 +81,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             qc, k, v, ctx - p.num_tokens, num_kv_heads, scale
         )
     return out
+
+
+def _prefill_in_c(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float, out: torch.Tensor) -> bool:
+    """The prefill chunks through the C kernel, when the pool holds plain float32 rows it takes."""
+    if meta.cpu_kernels is None or (meta.kv_format is not None and not meta.kv_format.is_plain):
+        return False
+    if meta.prefill_arrays is None:
+        chunks = meta.prefills
+        width = max(len(p.block_ids) for p in chunks)
+        tables = torch.zeros(len(chunks), width, dtype=torch.int64)
+        for i, p in enumerate(chunks):
+            tables[i, : len(p.block_ids)] = p.block_ids
+        meta.prefill_arrays = PrefillArrays(
+            *(torch.tensor(v, dtype=torch.int64) for v in zip(*((p.token_start, p.num_tokens, p.context_len)
+                                                                   for p in chunks))), tables)
+    return meta.cpu_kernels.paged_prefill(q, k_cache, v_cache, out, meta.prefill_arrays, scale)
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

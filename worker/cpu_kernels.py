@@ -32,7 +32,9 @@ from kvstrata.worker.gguf_loader import cache_root
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("paged_attention.c", "gemm.c", "norm.c", "rope.c", "layer.c", "block_copy.c")]
+            for name in ("paged_attention.c", "prefill_attention.c", "gemm.c", "norm.c", "rope.c", "layer.c",
+                         "block_copy.c")]
+_HEADERS = [Path(__file__).parent / "csrc" / "vec.h"]  # part of the build's identity, not compiled alone
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-shared", "-fPIC"]
 
@@ -67,6 +69,10 @@ class CpuKernels:
         lib.kvs_layer_mlp.argtypes = [ctypes.c_void_p] * 2
         lib.kvs_layer_attention.restype = lib.kvs_layer_mlp.restype = None
         self.layer_attention, self.layer_mlp = lib.kvs_layer_attention, lib.kvs_layer_mlp
+        lib.kvs_paged_prefill_f32.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
+                                              + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+                                              + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float])
+        lib.kvs_paged_prefill_f32.restype = ctypes.c_int
         lib.kvs_copy_blocks.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7
         lib.kvs_copy_blocks.restype = None
 
@@ -114,6 +120,26 @@ class CpuKernels:
         else:
             self._lib.kvs_paged_decode_f32(*common)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+    def paged_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                      prefills: PrefillArrays, scale: float) -> bool:
+        """Causal attention of prefill chunks (csrc/prefill_attention.c), K/V float32 read in place.
+
+        q: [T, H, D] float32 with dense heads (a view into the fused projection is fine); out: a
+        dense [T, H, D] float32 whose prefill rows are written. False, with nothing written, when
+        the shapes are not ones the kernel takes (head size 64 or 128; blocks a multiple of 16)."""
+        _, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        if (q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32
+                or q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous()
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+            return False
+        p = prefills
+        rc = self._lib.kvs_paged_prefill_f32(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), p.tables.data_ptr(),
+            p.tables.shape[1], p.starts.data_ptr(), p.counts.data_ptr(), p.ctxs.data_ptr(), p.starts.numel(),
+            out.data_ptr(), out.stride(0), num_heads, num_kv_heads, head_dim, block_size, scale)
+        return rc == 0
 
     def pack(self, weight: torch.Tensor) -> PackedWeight:
         """weight [N, K] (float32 or bfloat16) -> groups of `gemm_group` output columns, ready for `gemm`."""
@@ -229,6 +255,17 @@ def _dense_f32(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class PrefillArrays:
+    """A step's prefill chunks for the C kernel: first row, new tokens, context (int64 [P] each),
+    and block tables (int64 [P, W], rows padded with block 0)."""
+
+    starts: torch.Tensor
+    counts: torch.Tensor
+    ctxs: torch.Tensor
+    tables: torch.Tensor
+
+
+@dataclass(frozen=True)
 class PackedWeight:
     """A [n, k] weight in groups of CpuKernels.gemm_group columns (see csrc/gemm.c); `data` keeps its dtype."""
 
@@ -251,7 +288,7 @@ def _cpu_signature() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [p.read_bytes() for p in _SOURCES] + [" ".join(_FLAGS).encode(), version.encode(),
+    parts = [p.read_bytes() for p in _SOURCES + _HEADERS] + [" ".join(_FLAGS).encode(), version.encode(),
                                                   _cpu_signature().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     out_dir = cache_root() / "kernels"
