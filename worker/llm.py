@@ -27,7 +27,7 @@ DEFAULT_GPU_KV_FRACTION = 0.85  # of the device memory still free after loading 
 class LLM:
     def __init__(self, model: str = "smollm2-135m", block_size: int = 16, num_gpu_blocks: int | None = None,
                  max_model_len: int | None = None, dtype: str | None = None, device: str | None = None,
-                 seed: int = 0, enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
+                 seed: int = 0, enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int = 128, kv_cache_bytes: int | None = None, cpu_kv_bytes: int | None = None,
                  nvme_kv_dir: str | None = None, nvme_kv_bytes: int | None = None,
                  pin_quota_bytes: int | None = None, nvme_admission: str = "reuse",
@@ -44,13 +44,16 @@ class LLM:
         kv_dtype stores the KV cache in another format: "fp16", "bf16", "fp8_e4m3", "fp8_e5m2",
         "int8" or "int4" (lossy; scales are kept in each block), or "auto", the model's dtype.
         kv_eviction: a token eviction policy (lossy) for every request that names none in its
-        SamplingParams, e.g. "streaming(sinks=4, window=252)" (see worker/token_eviction.py)."""
+        SamplingParams, e.g. "streaming(sinks=4, window=252)" (see worker/token_eviction.py).
+        max_num_batched_tokens: a step's token budget, which is also the largest prefill chunk;
+        by default 512 on CPU, where a step of 512 tokens is already compute-bound, and 2048 on GPU."""
         _check_positive("block_size", block_size)
         if num_gpu_blocks is not None:
             _check_positive("num_gpu_blocks", num_gpu_blocks)
         if max_model_len is not None:
             _check_positive("max_model_len", max_model_len)
-        _check_positive("max_num_batched_tokens", max_num_batched_tokens)
+        if max_num_batched_tokens is not None:
+            _check_positive("max_num_batched_tokens", max_num_batched_tokens)
         _check_positive("max_num_seqs", max_num_seqs)
         _check_tier_args(cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes)
         kv_eviction = resolve_eviction(kv_eviction, "kv_eviction")
@@ -94,6 +97,8 @@ class LLM:
                         nvme)
             self.group = _start_group(runner, *self._tp)
         kv = KVCacheManager(num_gpu_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 512 if loaded.model.device.type == "cpu" else 2048
         sched = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
