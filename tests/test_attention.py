@@ -10,6 +10,7 @@ from kvstrata.worker.attention import (
     PrefillChunk,
     contiguous_attention,
     paged_attention,
+    prefill_arrays,
     write_kv,
 )
 from kvstrata.worker.cpu_kernels import load_cpu_kernels
@@ -208,16 +209,7 @@ def test_c_prefill_reads_queries_in_place_from_the_fused_projection():
 def test_shapes_the_c_prefill_does_not_take_go_through_torch(d, block):
     gen = torch.Generator().manual_seed(d + block)
     k_cache, v_cache, chunks, q = _prefill_case(4, 2, d, block, [(6, 6), (3, 20)], gen)
-    assert not KERNELS.paged_prefill(q, k_cache, v_cache, torch.empty_like(q),
-                                     _prefill_meta(chunks, KERNELS).prefill_arrays or _arrays(chunks), 0.5)
+    assert not KERNELS.paged_prefill(q, k_cache, v_cache, torch.empty_like(q), prefill_arrays(chunks), 0.5)
     got = paged_attention(q, k_cache, v_cache, _prefill_meta(chunks, KERNELS), 0.5)
     torch.testing.assert_close(got, paged_attention(q, k_cache, v_cache, _prefill_meta(chunks, None), 0.5))
 
-
-def _arrays(chunks):
-    from kvstrata.worker.cpu_kernels import PrefillArrays
-
-    width = max(len(c.block_ids) for c in chunks)
-    tables = torch.stack([torch.nn.functional.pad(c.block_ids, (0, width - len(c.block_ids))) for c in chunks])
-    return PrefillArrays(*(torch.tensor(v) for v in zip(*((c.token_start, c.num_tokens, c.context_len)
-                                                          for c in chunks))), tables)

@@ -89,15 +89,18 @@ def _prefill_in_c(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if meta.cpu_kernels is None or (meta.kv_format is not None and not meta.kv_format.is_plain):
         return False
     if meta.prefill_arrays is None:
-        chunks = meta.prefills
-        width = max(len(p.block_ids) for p in chunks)
-        tables = torch.zeros(len(chunks), width, dtype=torch.int64)
-        for i, p in enumerate(chunks):
-            tables[i, : len(p.block_ids)] = p.block_ids
-        meta.prefill_arrays = PrefillArrays(
-            *(torch.tensor(v, dtype=torch.int64) for v in zip(*((p.token_start, p.num_tokens, p.context_len)
-                                                                   for p in chunks))), tables)
+        meta.prefill_arrays = prefill_arrays(meta.prefills)
     return meta.cpu_kernels.paged_prefill(q, k_cache, v_cache, out, meta.prefill_arrays, scale)
+
+
+def prefill_arrays(chunks: list[PrefillChunk]) -> PrefillArrays:
+    """The chunks as the C kernel takes them: block tables padded with block 0."""
+    width = max(len(p.block_ids) for p in chunks)
+    tables = torch.zeros(len(chunks), width, dtype=torch.int64)
+    for i, p in enumerate(chunks):
+        tables[i, : len(p.block_ids)] = p.block_ids
+    columns = zip(*((p.token_start, p.num_tokens, p.context_len) for p in chunks))
+    return PrefillArrays(*(torch.tensor(c, dtype=torch.int64) for c in columns), tables)
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
