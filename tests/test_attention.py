@@ -138,6 +138,27 @@ def test_kernel_matches_torch_decode(dtype, batch, h, h_kv, d, block):
 
 
 @pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,h_kv,d,block", [(9, 3, 64, 16), (16, 2, 64, 16), (6, 2, 128, 8), (4, 1, 40, 16)])
+def test_kernel_gives_a_sequence_the_same_bits_alone_and_in_a_large_batch(dtype, h, h_kv, d, block):
+    """A large batch runs one task per sequence, its KV heads taking turns block by block; a lone
+    sequence runs one task per (sequence, KV head). Each head's blocks go in the same order either
+    way, so a sequence's output must not depend on which."""
+    gen = torch.Generator().manual_seed(h * 100 + d)
+    batch, num_blocks = 40, 96
+    k_cache = (torch.randn(num_blocks, block, h_kv, d, generator=gen) * 3).to(dtype)
+    v_cache = torch.randn(num_blocks, block, h_kv, d, generator=gen).to(dtype)
+    seq_lens = torch.randint(1, 9 * block, (batch,), generator=gen)
+    seq_lens[:3] = torch.tensor([1, block, 9 * block])  # one token, one full block, the widest table
+    table = torch.randint(0, num_blocks, (batch, 9), generator=gen)
+    q = (torch.randn(batch, h, d, generator=gen) * 3).to(dtype)
+    together = KERNELS.paged_decode(q, k_cache, v_cache, table, seq_lens, d ** -0.5)
+    for b in range(batch):
+        alone = KERNELS.paged_decode(q[b : b + 1], k_cache, v_cache, table[b : b + 1], seq_lens[b : b + 1], d ** -0.5)
+        assert torch.equal(alone[0], together[b]), f"sequence {b} ({int(seq_lens[b])} tokens)"
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler")
 @pytest.mark.parametrize("d", [64, 2])  # the vectorised head size and the generic path
 def test_kernel_softmax_is_stable_for_large_scores(d):
     """Scores far beyond exp's range must not overflow: the running max keeps exp's argument <= 0."""

@@ -122,6 +122,24 @@ def test_bf16_uses_onednn_only_where_it_has_a_bf16_inner_product():
                                rtol=3e-2, atol=0.2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_lays_weights_out_once_with_the_same_results(dtype):
+    """The onednn backend hands oneDNN its weights laid out for its kernels at load, instead of plain
+    ones that it would reorder on every call; the products are the same bits."""
+    from kvstrata.worker.linear import OneDNNLinear, onednn_available
+
+    if not onednn_available(torch.device("cpu"), dtype):
+        pytest.skip(f"no oneDNN inner product for {dtype} here")
+    lin = OneDNNLinear()
+    gen = torch.Generator().manual_seed(1)
+    w, b = torch.randn(72, 40, generator=gen).to(dtype), torch.randn(72, generator=gen).to(dtype)
+    prepared = lin.prepare(w)
+    assert prepared.is_mkldnn
+    for rows in (1, 9, 40, 130):
+        x = torch.randn(rows, 40, generator=gen).to(dtype)
+        assert torch.equal(lin(x, prepared, b), lin(x, w, b)), rows
+
+
 def test_linear_backend_errors_name_the_choice():
     with pytest.raises(ValueError, match="linear_backend"):
         select_linear(torch.device("cpu"), torch.float32, "blas")

@@ -480,3 +480,29 @@ def test_bench_kv_decode_times_each_format_side_by_side(tmp_path, capsys):
     assert [r["kv_bytes_per_token"] for r in rows] == [30 * 2 * 3 * 64 * 4, 30 * 2 * 3 * 66]
     assert all(r["steps"] == 4 and r["step_ms_median"] > 0 and r["context_len"] == 40 for r in rows)
     assert "int8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "int4"])
+def test_the_c_decode_kernel_gives_a_sequence_the_same_bits_alone_and_in_a_large_batch(name):
+    """A large batch takes one task per sequence (its heads in turn, block by block), a lone
+    sequence one task per KV head; quantized rows, int4 keys' per-block steps included, decode alike."""
+    from kvstrata.worker.cpu_kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("the C kernels cannot be built here (no compiler)")
+    fmt = make_kv_format(name, D, BS, torch.float32)
+    num_blocks, batch = 40, 24
+    k_cache, v_cache = _pool(fmt, num_blocks), _pool(fmt, num_blocks)
+    slots = torch.arange(num_blocks * BS)
+    fmt.write(k_cache, _keys_like(len(slots), seed=5), slots, key=True)
+    fmt.write(v_cache, _keys_like(len(slots), seed=6), slots, key=False)
+    g = torch.Generator().manual_seed(7)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:8] for _ in range(batch)])
+    lens = torch.randint(1, 8 * BS + 1, (batch,), generator=g)
+    q = torch.randn(batch, 9, D, generator=g)
+    extra = (fmt.code_table, fmt.int4_value_group) if name == "int4" else (fmt.code_table,)
+    together = kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, *extra)
+    for b in range(batch):
+        alone = kernels.paged_decode(q[b : b + 1], k_cache, v_cache, tables[b : b + 1], lens[b : b + 1], 0.125, *extra)
+        assert torch.equal(alone[0], together[b]), f"sequence {b}"

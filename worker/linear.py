@@ -1,12 +1,13 @@
 """Dense projections: one backend per model, chosen at load, which may re-lay the weights out once.
 
 On CPU, oneDNN and MKL come close to the cores' FLOP/s on large products but much less at the small
-row counts of a decode step, because they repack the weights on every call. So on CPU the weights
-are packed once into column groups (48 or 24 wide, by the CPU's vectors) and multiplied by a C
-kernel (`packed`, see csrc/gemm.c), which also stays ahead of oneDNN at prefill-sized row counts. In bf16, oneDNN's
-bf16 dot-product instructions win from about 8 rows on, so bf16 keeps both layouts. oneDNN
-(`onednn`) and plain `F.linear` (`torch`) remain for machines without a C compiler and for GPUs.
-Results agree with `F.linear` to float rounding.
+row counts of a decode step. So on CPU the weights are packed once into column groups (48 or 24
+wide, by the CPU's vectors) and multiplied by a C kernel (`packed`, see csrc/gemm.c), which also
+stays ahead of oneDNN at prefill-sized row counts in float32. In bf16, oneDNN's bf16 dot-product
+instructions (and AMX tiles where the CPU has them) win from about 8 rows on, so bf16 keeps both
+layouts. oneDNN's weights are laid out for its kernels once, at load (`OneDNNLinear.prepare`).
+oneDNN (`onednn`) and plain `F.linear` (`torch`) remain for machines without a C compiler and for
+GPUs. Results agree with `F.linear` to float rounding.
 """
 
 from __future__ import annotations
@@ -40,11 +41,20 @@ def padded_rows(m: int) -> int:
 class OneDNNLinear(TorchLinear):
     name = "onednn"
 
+    def prepare(self, weight: torch.Tensor) -> Any:
+        # laid out once for oneDNN's kernels; a plain weight is reordered on every call, which at a
+        # decode step's row counts costs more than the product (bf16 on a 2-core Xeon with AMX, a
+        # batch-32 step's projections and head: 34.7 -> 24.1 ms; the same bits)
+        try:
+            return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        except (RuntimeError, AttributeError):
+            return weight
+
     def __call__(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
         # x: [T, K], weight: [N, K] -> [T, N]
         m = x.shape[0]
-        if m == 0:
-            return F.linear(x, weight, bias)
+        if m == 0:  # (a laid-out weight has its logical shape but takes no plain torch op)
+            return x.new_empty((0, weight.shape[0]))
         # oneDNN builds (JIT-compiles) a kernel for every new row count, which costs more than the
         # product itself at these sizes; padding to a bucket lets its primitive cache hit
         padded = padded_rows(m)
@@ -80,7 +90,7 @@ class HybridLinear:
         self.onednn = OneDNNLinear()
 
     def prepare(self, weight: torch.Tensor) -> Any:
-        return self.packed.prepare(weight), weight
+        return self.packed.prepare(weight), self.onednn.prepare(weight)
 
     def __call__(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] <= self.max_packed_rows:
