@@ -15,8 +15,8 @@
  * Prefetch: every tile of a group also pulls a share of the *next* group into L2, spread evenly
  * over the k steps of all the row tiles of the block. The weight stream is then fetched while the
  * cores compute, instead of in a burst during each group's first tile (25% faster at 32 rows with
- * weights coming from DRAM); with a single tile of rows (up to MR) the next group is left to the
- * hardware prefetcher, and one row has a path of its own (gemv_group). The current group is also
+ * weights coming from DRAM); with 2-5 rows the next group is left to the hardware prefetcher, and
+ * one row has a path of its own (gemv_group). The current group is also
  * prefetched PF k steps ahead. A prefetch never faults, so running past the end is harmless.
  * bf16 weights are widened in registers; x and y are always float32. Built with
  * -ffp-contract=fast, so that `acc += x * w` is one fused multiply-add.
@@ -169,9 +169,11 @@ static inline __attribute__((always_inline)) void gemm(const float *x, const voi
             /* tile t prefetches bytes [t * k * next_step, (t + 1) * k * next_step) of the next group */
             int64_t tiles = (m_end - b * MB + MR - 1) / MR, elem = is_bf16 ? 2 : 4;
             int64_t next_step = (NR * elem + tiles - 1) / tiles;
-            /* not for a single tile of rows: there, as for one row, the next group's prefetch cost
-             * more issue slots than it saved (2 rows 62 -> 74 GB/s without it, 4 rows 62 -> 70) */
-            const char *next = g + 1 < groups && m > MR ? (const char *)wp + (g + 1) * k * NR * elem : NULL;
+            /* not for 2-5 rows: there, as for one row, the next group's prefetch cost more issue
+             * slots than it saved (AMD EPYC: 2 rows 62 -> 74 GB/s without it, 4 rows 62 -> 70; Xeon:
+             * 3-5 rows 4-8% faster without). From 6 rows on it pays on the Xeon (8 rows 31.5 -> 28.8
+             * ms for a step's weights from memory) and is even on the EPYC. */
+            const char *next = g + 1 < groups && m >= 6 ? (const char *)wp + (g + 1) * k * NR * elem : NULL;
             for (int64_t m0 = b * MB, t = 0; m0 < m_end; m0 += MR, t++) {
                 int64_t mr = m_end - m0 < MR ? m_end - m0 : MR;
                 tile(x + m0 * k, k, wp, g, y + m0 * n + g * NR, n, mr, ncols, is_bf16,
