@@ -339,3 +339,33 @@ def test_a_slot_outside_the_pool_is_refused_before_the_fused_write(llm):
         with pytest.raises(ValueError, match="slot_mapping"):
             model.forward(torch.tensor([5, 6]), torch.tensor([0, 1]), meta, cache)
     assert torch.equal(cache, before)
+
+
+@needs_kernels
+def test_crc32_equals_zlib_for_every_length_offset_and_seed():
+    """The folding CRC takes 64 bytes a step and 16 after, then single bytes: every length around
+    those steps, unaligned starts and a running value carried in must give zlib's values."""
+    import random
+    import zlib
+
+    rng = random.Random(0)
+    buf = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    for n in [*range(0, 150), 1023, 4096, 4111, 737280, 737283, (1 << 20) - 9]:
+        off = rng.choice([0, 1, 5, 8])
+        data = buf[off : off + n]
+        init = rng.randrange(1 << 32) if n % 2 else 0
+        assert KERNELS.crc32(data, init) == zlib.crc32(data.numpy(), init), (n, off)
+        copy = torch.zeros(data.numel(), dtype=torch.uint8)
+        assert KERNELS.copy_crc32(data, copy) == zlib.crc32(data.numpy()), (n, off)
+        assert torch.equal(copy, data), (n, off)
+    # any dtype's bytes, as the NVMe tier stages blocks
+    block = torch.randn(30, 2, 16, 3, 64)
+    assert KERNELS.crc32(block) == zlib.crc32(block.numpy().tobytes())
+
+
+@needs_kernels
+def test_crc32_refuses_what_it_cannot_read_in_place():
+    with pytest.raises(ValueError, match="dense CPU"):
+        KERNELS.crc32(torch.zeros(8, 8)[:, ::2])
+    with pytest.raises(ValueError, match="source bytes"):
+        KERNELS.copy_crc32(torch.zeros(8), torch.zeros(9))

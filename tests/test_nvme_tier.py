@@ -1089,3 +1089,35 @@ class TierVersusModel(RuleBasedStateMachine):
 
 TestTierVersusModel = TierVersusModel.TestCase
 TestTierVersusModel.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+
+
+@pytest.mark.parametrize("fast_crc", [True, False])
+def test_a_staged_slot_is_the_same_bytes_with_the_c_crc_or_zlib(monkeypatch, fast_crc):
+    """The IO threads stage a block with the C kernels' copy-and-CRC where it is the faster one, and
+    with numpy and zlib elsewhere: the same slot bytes either way, so a directory written on one
+    machine reads on another, and either way a flipped payload byte fails the check."""
+    from kvstrata.tiering import slot_codec
+    from kvstrata.worker.cpu_kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if fast_crc and (kernels is None or not kernels.crc32_fast):
+        pytest.skip("no carry-less multiply CRC here")
+    block = torch.randn(4, 2, 16, 3, 8, generator=torch.Generator().manual_seed(3))
+    header = BlockHeader(b"h" * 16, b"", "test-layout", "float32", tuple(block.shape), block.numel() * 4, 0)
+    slot_bytes = round_up(header.payload_offset + header.payload_len)
+
+    def staged(use_fast: bool) -> torch.Tensor:
+        monkeypatch.setattr(slot_codec, "_fast_crc", lambda: kernels if use_fast else None)
+        slot = torch.full((slot_bytes,), 0xAB, dtype=torch.uint8)
+        slot_codec.stage(slot, header, block)
+        return slot
+
+    slot = staged(fast_crc)
+    assert torch.equal(slot, staged(False))
+    assert BlockHeader.parse(slot.numpy()).payload_crc == zlib.crc32(block.numpy().tobytes())
+    monkeypatch.setattr(slot_codec, "_fast_crc", lambda: kernels if fast_crc else None)
+    back = slot_codec.unstage(slot, b"h" * 16, lambda h: True, torch.float32, tuple(block.shape))
+    assert torch.equal(back, block)
+    slot[header.payload_offset + 100] ^= 1
+    with pytest.raises(ValueError, match="checksum"):
+        slot_codec.unstage(slot, b"h" * 16, lambda h: True, torch.float32, tuple(block.shape))

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_attention.c", "prefill_attention.c", "gemm.c", "norm.c", "rope.c", "layer.c",
-                         "block_copy.c")]
+                         "block_copy.c", "crc32.c")]
 _HEADERS = [Path(__file__).parent / "csrc" / "vec.h"]  # part of the build's identity, not compiled alone
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-shared", "-fPIC"]
@@ -75,6 +75,13 @@ class CpuKernels:
         lib.kvs_paged_prefill_f32.restype = ctypes.c_int
         lib.kvs_copy_blocks.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7
         lib.kvs_copy_blocks.restype = None
+        lib.kvs_crc32.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int64]
+        lib.kvs_copy_crc32.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        lib.kvs_crc32.restype = lib.kvs_copy_crc32.restype = ctypes.c_uint32
+        lib.kvs_crc32_fast.argtypes = []
+        lib.kvs_crc32_fast.restype = ctypes.c_int
+        # whether crc32 beats zlib's here (carry-less multiplies); without, the same values, slower
+        self.crc32_fast = bool(lib.kvs_crc32_fast())
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> bool:
         return dtype in (torch.float32, torch.bfloat16) and num_heads % num_kv_heads == 0
@@ -204,6 +211,21 @@ class CpuKernels:
         self._lib.kvs_copy_blocks(src.data_ptr(), dst.data_ptr(), si.data_ptr(), di.data_ptr(), len(src_ids),
                                   segments, piece_bytes, s_seg, s_block, d_seg, d_block)
 
+    def crc32(self, data: torch.Tensor, init: int = 0) -> int:
+        """zlib.crc32 of a dense CPU tensor's bytes (csrc/crc32.c), without the GIL."""
+        _check_dense_cpu(data, "crc32")
+        return self._lib.kvs_crc32(init, data.data_ptr(), data.numel() * data.element_size())
+
+    def copy_crc32(self, src: torch.Tensor, dst: torch.Tensor) -> int:
+        """Copy src's bytes into dst (dense CPU tensors of the same byte size, not overlapping) in
+        one pass that also computes their zlib.crc32, which it returns."""
+        _check_dense_cpu(src, "copy_crc32")
+        _check_dense_cpu(dst, "copy_crc32")
+        n = src.numel() * src.element_size()
+        if dst.numel() * dst.element_size() != n:
+            raise ValueError(f"copy_crc32: {n} source bytes into {dst.numel() * dst.element_size()}")
+        return self._lib.kvs_copy_crc32(0, src.data_ptr(), dst.data_ptr(), n)
+
     def rope_write_kv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
                       signed_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
@@ -246,6 +268,11 @@ class CpuKernels:
         self._lib.kvs_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
                                        x.shape[0], x.shape[1], eps)
         return out
+
+
+def _check_dense_cpu(t: torch.Tensor, what: str) -> None:
+    if t.is_cuda or not t.is_contiguous():
+        raise ValueError(f"{what} needs a dense CPU tensor")
 
 
 def _dense_f32(t: torch.Tensor) -> torch.Tensor:
