@@ -163,3 +163,20 @@ def test_rounds_summary_takes_medians_of_per_round_ratios():
     assert s["median_ratio_output_tokens_per_s"] == pytest.approx(4.0)  # ratios 5, 2.5, 4
     assert s["median_bound_ratio"] == pytest.approx(2.0)  # walls 2, 4, 1 over a 1 s bound
     assert s["kvstrata"]["wall_s"] == 1.0  # the last round's report is the top level
+
+
+def test_share_model_gives_the_second_engine_the_first_ones_weights():
+    """The ablation's two engines run on one copy of the weights, so that where each copy lies in
+    memory cannot tell them apart; engines of different models cannot share."""
+    from types import SimpleNamespace
+
+    from kvstrata.cluster.bench.throughput import share_model
+
+    def fake(config):
+        return SimpleNamespace(engine=SimpleNamespace(config=config, runner=SimpleNamespace(model=object())))
+
+    on, off = fake("smollm2"), fake("smollm2")
+    share_model(on, off)
+    assert off.engine.runner.model is on.engine.runner.model
+    with pytest.raises(ValueError, match="same model"):
+        share_model(on, fake("other"))
