@@ -29,9 +29,13 @@ __attribute__((constructor)) static void build_crc_table(void) {
     }
 }
 
-/* The running register (not inverted) over n bytes, one at a time; copies them when dst is set. */
+/* The running register (not inverted) over n bytes, one at a time; copies them when dst is set,
+ * and then sums the copy, as the folding path sums exactly what it stores. */
 static uint32_t crc_bytes(uint32_t crc, const uint8_t *p, uint8_t *dst, size_t n) {
-    if (dst != NULL) memcpy(dst, p, n);
+    if (dst != NULL) {
+        memcpy(dst, p, n);
+        p = dst;
+    }
     for (size_t i = 0; i < n; i++) crc = crc_table[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
     return crc;
 }

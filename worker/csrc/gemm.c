@@ -171,8 +171,8 @@ static inline __attribute__((always_inline)) void gemm(const float *x, const voi
             int64_t next_step = (NR * elem + tiles - 1) / tiles;
             /* not for 2-5 rows: there, as for one row, the next group's prefetch cost more issue
              * slots than it saved (AMD EPYC: 2 rows 62 -> 74 GB/s without it, 4 rows 62 -> 70; Xeon:
-             * 3-5 rows 4-8% faster without). From 6 rows on it pays on the Xeon (8 rows 31.5 -> 28.8
-             * ms for a step's weights from memory) and is even on the EPYC. */
+             * 3-5 rows no faster with it). From 6 rows on it pays on the Xeon (about 5% for a step's
+             * weights from memory, builds interleaved in one process) and is even on the EPYC. */
             const char *next = g + 1 < groups && m >= 6 ? (const char *)wp + (g + 1) * k * NR * elem : NULL;
             for (int64_t m0 = b * MB, t = 0; m0 < m_end; m0 += MR, t++) {
                 int64_t mr = m_end - m0 < MR ? m_end - m0 : MR;
