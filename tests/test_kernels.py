@@ -369,3 +369,25 @@ def test_crc32_refuses_what_it_cannot_read_in_place():
         KERNELS.crc32(torch.zeros(8, 8)[:, ::2])
     with pytest.raises(ValueError, match="source bytes"):
         KERNELS.copy_crc32(torch.zeros(8), torch.zeros(9))
+
+
+@needs_kernels
+def test_gather_packed_moves_panels_into_one_buffer_in_order():
+    """Packed panels (alone or beside a oneDNN layout) move into one buffer per dtype, in list order,
+    with the same values; other prepared weights are returned as they are."""
+    from kvstrata.worker.linear import gather_packed
+
+    gen = torch.Generator().manual_seed(5)
+    a = KERNELS.pack(torch.randn(50, 24, generator=gen))
+    b = KERNELS.pack(torch.randn(20, 16, generator=gen))
+    h = KERNELS.pack(torch.randn(30, 8, generator=gen).bfloat16())
+    plain, side = torch.randn(4, 4), object()
+    out = gather_packed([a, plain, (b, side), h])
+    assert out[1] is plain and out[2][1] is side
+    for before, after in ((a, out[0]), (b, out[2][0]), (h, out[3])):
+        assert (after.n, after.k) == (before.n, before.k) and torch.equal(after.data, before.data)
+    f32 = [out[0].data, out[2][0].data]
+    assert f32[0].untyped_storage().data_ptr() == f32[1].untyped_storage().data_ptr()
+    assert f32[1].data_ptr() == f32[0].data_ptr() + f32[0].numel() * 4
+    x = torch.randn(3, 24, generator=gen)
+    assert torch.equal(KERNELS.gemm(x, out[0], None), KERNELS.gemm(x, a, None))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kvstrata.worker.attention import AttentionMetadata, paged_attention, write_kv
 from kvstrata.worker.config import ModelConfig
-from kvstrata.worker.linear import select_linear
+from kvstrata.worker.linear import gather_packed, select_linear
 from kvstrata.worker.rope import RotaryEmbedding
 from kvstrata.worker.tensor_parallel import TPShard
 
@@ -93,6 +93,13 @@ class LlamaModel:
                     down=linear.prepare(w(p + "mlp.down_proj.weight")),
                 )
             )
+        # the packed panels into one buffer, now that the load's temporaries are gone (gather_packed)
+        projections = ("qkv", "o_proj", "gate_up", "down")
+        flat = gather_packed([getattr(layer, n) for layer in self.layers for n in projections] + [self.lm_head])
+        for i, layer in enumerate(self.layers):
+            for j, n in enumerate(projections):
+                setattr(layer, n, flat[i * len(projections) + j])
+        self.lm_head = flat[-1]
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                     c.rope_scaling, dtype, device)
         self.scale = c.head_dim**-0.5
