@@ -113,13 +113,14 @@ def gather_packed(weights: list[Any]) -> list[Any]:
         w = w[0] if isinstance(w, tuple) else w
         return w if isinstance(w, PackedWeight) else None
 
+    panels = [panel(w) for w in weights]
     out = list(weights)
-    for dtype in {p.data.dtype for p in map(panel, weights) if p is not None}:
-        idx = [i for i, w in enumerate(weights) if (p := panel(w)) is not None and p.data.dtype == dtype]
-        buf = torch.empty(sum(panel(weights[i]).data.numel() for i in idx), dtype=dtype)
+    for dtype in {p.data.dtype for p in panels if p is not None}:
+        idx = [i for i, p in enumerate(panels) if p is not None and p.data.dtype == dtype]
+        buf = torch.empty(sum(panels[i].data.numel() for i in idx), dtype=dtype)
         at = 0
         for i in idx:
-            p = panel(weights[i])
+            p = panels[i]
             moved = PackedWeight(buf[at : at + p.data.numel()], p.n, p.k)
             moved.data.copy_(p.data)
             at += p.data.numel()
