@@ -266,17 +266,23 @@ def test_c_rms_norm_and_fused_residual_add_match_torch(rows):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_block_copy_between_the_pool_and_the_dram_layout(dtype):
-    pool = torch.randn(3, 2, 10, 4, 2, 8).to(dtype)  # [L, 2, N, B, H, D]
-    host = torch.zeros(6, 3, 2, 4, 2, 8, dtype=dtype)  # [N, L, 2, B, H, D]
-    KERNELS.copy_blocks(pool, 2, [7, 0, 9], host, 0, [5, 1, 2])
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("head_dim", [8, 3])  # pieces of whole vectors, and pieces the streamed path hands to memcpy
+def test_block_copy_between_the_pool_and_the_dram_layout(dtype, streaming, head_dim):
+    pool = torch.randn(3, 2, 10, 4, 2, head_dim).to(dtype)  # [L, 2, N, B, H, D]
+    host = torch.zeros(6, 3, 2, 4, 2, head_dim, dtype=dtype)  # [N, L, 2, B, H, D]
+    KERNELS.copy_blocks(pool, 2, [7, 0, 9], host, 0, [5, 1, 2], streaming=streaming)
     for block, slot in ((7, 5), (0, 1), (9, 2)):
         assert torch.equal(host[slot], pool[:, :, block])
     assert not host[[0, 3, 4]].any()  # untouched slots stay untouched
     back = torch.zeros_like(pool)
-    KERNELS.copy_blocks(host, 0, [5, 1, 2], back, 2, [1, 2, 3])
+    KERNELS.copy_blocks(host, 0, [5, 1, 2], back, 2, [1, 2, 3], streaming=streaming)
     assert torch.equal(back[:, :, [1, 2, 3]], pool[:, :, [7, 0, 9]])
     assert not back[:, :, [0, 4, 5, 6, 7, 8, 9]].any()
+    # a destination that starts off a vector boundary: the bytes are the same either way
+    shifted = torch.zeros(6 * host[0].numel() + 1, dtype=dtype)[1:].view(host.shape)
+    KERNELS.copy_blocks(pool, 2, [7, 0, 9], shifted, 0, [5, 1, 2], streaming=streaming)
+    assert torch.equal(shifted, host)
     with pytest.raises(ValueError, match="different blocks"):
         KERNELS.copy_blocks(pool, 2, [0], torch.zeros(2, 3, 2, 4, 2, 4, dtype=dtype), 0, [0])
     with pytest.raises(ValueError, match="as many"):

@@ -14,11 +14,12 @@ def block_shape(kv_cache: torch.Tensor) -> tuple[int, ...]:
 def copy_to_host(kv_cache: torch.Tensor, block_ids: list[int], storage: torch.Tensor, slots: list[int],
                  kernels=None) -> None:
     """Pool blocks [L, 2, N, B, H, D] (dim 2) into DRAM slots [S, L, 2, B, H, D] (dim 0): with the
-    CPU kernel, one memcpy per piece; otherwise a gather, then one copy (to pinned memory, on CUDA)."""
+    CPU kernel, one copy per piece, written past the caches (nothing reads a demoted or swapped-out
+    block soon); otherwise a gather, then one copy (to pinned memory, on CUDA)."""
     if not block_ids:
         return
     if kernels is not None:
-        kernels.copy_blocks(kv_cache, 2, block_ids, storage, 0, slots)
+        kernels.copy_blocks(kv_cache, 2, block_ids, storage, 0, slots, streaming=True)
         return
     data = kv_cache.index_select(2, torch.tensor(block_ids, device=kv_cache.device)).permute(2, 0, 1, 3, 4, 5)
     storage.index_copy_(0, torch.tensor(slots), data.to(storage.device))

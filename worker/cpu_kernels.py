@@ -73,7 +73,7 @@ class CpuKernels:
                                               + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
                                               + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float])
         lib.kvs_paged_prefill_f32.restype = ctypes.c_int
-        lib.kvs_copy_blocks.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7
+        lib.kvs_copy_blocks.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 8
         lib.kvs_copy_blocks.restype = None
         lib.kvs_crc32.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int64]
         lib.kvs_copy_crc32.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -175,13 +175,14 @@ class CpuKernels:
 
 
     def copy_blocks(self, src: torch.Tensor, src_dim: int, src_ids: list[int], dst: torch.Tensor, dst_dim: int,
-                    dst_ids: list[int]) -> None:
+                    dst_ids: list[int], streaming: bool = False) -> None:
         """Block dst_ids[i] of dst = block src_ids[i] of src, for every i, in one pass.
 
         Both are dense CPU tensors of one dtype; `*_dim` is the block dimension. Without it the two
         shapes must be equal. The dimensions before a non-zero block dimension (layers, K/V) are
         segments, the rest one piece: the pool [L, 2, N, B, H, D] (dim 2) and the block-major DRAM
-        tier [N, L, 2, B, H, D] (dim 0) hold the same blocks."""
+        tier [N, L, 2, B, H, D] (dim 0) hold the same blocks. streaming: the destination is written
+        past the caches (csrc/block_copy.c), for blocks that will not be read soon."""
         if len(src_ids) != len(dst_ids):
             raise ValueError("copy_blocks needs as many destination blocks as source blocks")
         if not (src.is_contiguous() and dst.is_contiguous()) or src.dtype != dst.dtype or src.is_cuda or dst.is_cuda:
@@ -209,7 +210,7 @@ class CpuKernels:
         si = torch.tensor(src_ids, dtype=torch.int64)
         di = torch.tensor(dst_ids, dtype=torch.int64)
         self._lib.kvs_copy_blocks(src.data_ptr(), dst.data_ptr(), si.data_ptr(), di.data_ptr(), len(src_ids),
-                                  segments, piece_bytes, s_seg, s_block, d_seg, d_block)
+                                  segments, piece_bytes, s_seg, s_block, d_seg, d_block, int(streaming))
 
     def crc32(self, data: torch.Tensor, init: int = 0) -> int:
         """zlib.crc32 of a dense CPU tensor's bytes (csrc/crc32.c), without the GIL."""
