@@ -243,7 +243,11 @@ static inline __attribute__((always_inline)) void decode_queries(
         int64_t n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
         if (key_params != NULL) int4_key_params(k_cache, block, bs, num_kv_heads, kv_head, d, f, kp);
         /* blocks sit anywhere in the pool, out of the hardware prefetcher's sight: while a token is
-         * scored, ask for the same row of the next block (K and V, this head only) */
+         * scored, ask for the same row of the next block (K and V, this head only), into L2 rather
+         * than L1. On a 2-core AMD EPYC (Zen 4) host, prefetches into L1 held the kernel to about 12
+         * GB/s from memory; into L2 it ran 1.4x faster from memory and 1.3x with K/V in L3 (32
+         * sequences of 300 tokens, 30 layers, in one process against the L1 build), the same bits.
+         * Two blocks ahead into L1 gained nothing; two ahead into L2 as much as one. */
         const char *next_k = NULL, *next_v = NULL;
         if (ib + 1 < num_blocks) {
             int64_t off = (table[ib + 1] * bs * num_kv_heads + kv_head) * head_bytes;
@@ -258,8 +262,8 @@ static inline __attribute__((always_inline)) void decode_queries(
                 if (j < nj) {
                     if (next_k) {
                         for (int64_t b = 0; b < head_bytes; b += 64) {
-                            __builtin_prefetch(next_k + (j0 + j) * row_bytes + b);
-                            __builtin_prefetch(next_v + (j0 + j) * row_bytes + b);
+                            __builtin_prefetch(next_k + (j0 + j) * row_bytes + b, 0, 1);
+                            __builtin_prefetch(next_v + (j0 + j) * row_bytes + b, 0, 1);
                         }
                     }
                     const float *kr = load_row(k_cache, (block * bs + j0 + j) * num_kv_heads + kv_head, d,
