@@ -21,12 +21,14 @@ needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler")
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 960, 576), (1, 7, 13), (1, 100, 30), (3, 33, 64), (1, 1, 1), (7, 48, 20), (50, 40, 9),
-                                   (9, 100, 30), (70, 97, 17), (64, 96, 5), (0, 16, 4)])
+                                   (9, 100, 30), (70, 97, 17), (64, 96, 5), (0, 16, 4), (132, 500, 16),
+                                   (200, 1000, 8)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_gemm_matches_linear(dtype, m, n, k, with_bias):
     """One row (its own path), row counts across micro-tiles (8 rows with AVX-512, 4 with AVX2) and
     row blocks (64); column counts across and off the packed groups (48 or 24 columns); k steps
-    across the one-row path's unrolling (4)."""
+    across the one-row path's unrolling (4); a last row block of a few rows, which moves where the
+    threads' shares of the (block, group) tasks split."""
     gen = torch.Generator().manual_seed(m * 100 + n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).to(dtype)

@@ -25,6 +25,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include <omp.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -151,9 +152,22 @@ static inline __attribute__((always_inline)) void gemv_group(const float *x, int
     memcpy(y, acc, (size_t)ncols * sizeof(float));
 }
 
+/* The first (block, group) task, in block-major order, before which at least `rows` rows of work lie
+ * (a task's work is its block's row count; blocks are MB rows, the last one what is left). */
+static int64_t task_at_rows(int64_t rows, int64_t m, int64_t groups) {
+    int64_t blocks = (m + MB - 1) / MB, full = (blocks - 1) * MB * groups;
+    if (rows <= full) {
+        int64_t b = rows / (MB * groups), r = rows - b * MB * groups;
+        return b * groups + (r + MB - 1) / MB;
+    }
+    int64_t last = m - (blocks - 1) * MB, r = rows - full;
+    int64_t g = (r + last - 1) / last;
+    return (blocks - 1) * groups + (g < groups ? g : groups);
+}
+
 static inline __attribute__((always_inline)) void gemm(const float *x, const void *wp, const float *bias, float *y,
                                                        int64_t m, int64_t n, int64_t k, int is_bf16) {
-    int64_t groups = (n + NR - 1) / NR, blocks = (m + MB - 1) / MB;
+    int64_t groups = (n + NR - 1) / NR;
     if (m == 1) {
 #pragma omp parallel for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
@@ -164,9 +178,17 @@ static inline __attribute__((always_inline)) void gemm(const float *x, const voi
         }
         return;
     }
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        for (int64_t g = 0; g < groups; g++) {
+    /* Tasks are (block, group) pairs, block-major, and each thread takes a contiguous run of them
+     * holding its share of the rows: split by count, a last block of a few rows (a prefill chunk
+     * with a few decodes beside it: 512 + 4 rows is 8 full blocks and one of 4) left one thread
+     * with up to a fifth less work, which then waited at the barrier. */
+#pragma omp parallel
+    {
+        int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        int64_t first = task_at_rows(m * groups * tid / nt, m, groups);
+        int64_t end = task_at_rows(m * groups * (tid + 1) / nt, m, groups);
+        for (int64_t task = first; task < end; task++) {
+            int64_t b = task / groups, g = task % groups;
             int64_t m_end = (b + 1) * MB < m ? (b + 1) * MB : m;
             int ncols = (g + 1) * NR <= n ? NR : (int)(n - g * NR);
             /* tile t prefetches bytes [t * k * next_step, (t + 1) * k * next_step) of the next group */
