@@ -28,8 +28,10 @@ static inline void copy_piece(char *dst, const char *src, size_t n, int streamin
     }
 #elif defined(__AVX2__)
     if (streaming && ((uintptr_t)dst & 31) == 0 && n % 32 == 0) {
-        for (size_t i = 0; i < n; i += 32)
+        for (size_t i = 0; i < n; i += 32) {
+            if (next) __builtin_prefetch(next + i);
             _mm256_stream_si256((__m256i *)(dst + i), _mm256_loadu_si256((const __m256i *)(src + i)));
+        }
         return;
     }
 #endif

@@ -18,7 +18,7 @@
  * weights coming from DRAM); with 2-5 rows the next group is left to the hardware prefetcher, and
  * one row has a path of its own (gemv_group). From 6 rows on the current group is also
  * prefetched PF k steps ahead; with 2-5 rows that too is left to the hardware, as for one row
- * (AMD EPYC, Zen 4: a step's weights from memory at 2-4 rows 1.14-1.16x faster without it, in one
+ * (AMD EPYC, Zen 4: a step's weights from memory at 2-5 rows 1.07-1.16x faster without it, in one
  * process; 8 rows 0.97x, 32 rows even). A prefetch never faults, so running past the end is harmless.
  * bf16 weights are widened in registers; x and y are always float32. Built with
  * -ffp-contract=fast, so that `acc += x * w` is one fused multiply-add.
@@ -181,7 +181,8 @@ static inline __attribute__((always_inline)) void gemm(const float *x, const voi
     /* Tasks are (block, group) pairs, block-major, and each thread takes a contiguous run of them
      * holding its share of the rows: split by count, a last block of a few rows (a prefill chunk
      * with a few decodes beside it: 512 + 4 rows is 8 full blocks and one of 4) left one thread
-     * with up to a fifth less work, which then waited at the barrier. */
+     * with less work, which then waited at the barrier (72 rows: half; on a Zen 4 EPYC, 72 rows took
+     * 0.6x the time and 260 rows 0.83x once the rows were split). */
 #pragma omp parallel
     {
         int nt = omp_get_num_threads(), tid = omp_get_thread_num();
