@@ -399,3 +399,30 @@ def test_gather_packed_moves_panels_into_one_buffer_in_order():
     assert f32[1].data_ptr() == f32[0].data_ptr() + f32[0].numel() * 4
     x = torch.randn(3, 24, generator=gen)
     assert torch.equal(KERNELS.gemm(x, out[0], None), KERNELS.gemm(x, a, None))
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(32, 49152), (1, 49152), (5, 37), (3, 1), (4, 15), (7, 16), (2, 17)])
+def test_argmax_matches_torch_first_of_equal_values(shape):
+    """Rows across whole vectors and a tail, or shorter than one vector; integer-valued rows tie
+    often, and the first of equal values must win, as in torch.argmax."""
+    gen = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    ties = torch.randint(-3, 3, shape, generator=gen).float()
+    assert torch.equal(KERNELS.argmax(ties), ties.argmax(dim=-1))
+    normal = torch.randn(shape, generator=gen)
+    assert torch.equal(KERNELS.argmax(normal), normal.argmax(dim=-1))
+    ninf = torch.full(shape, float("-inf"))
+    assert torch.equal(KERNELS.argmax(ninf), ninf.argmax(dim=-1))
+
+
+@needs_kernels
+def test_argmax_leaves_rows_with_a_nan_to_torch():
+    from kvstrata.worker.sampler import argmax_rows
+
+    x = torch.randn(3, 40)
+    x[1, 7] = float("nan")
+    assert KERNELS.argmax(x) is None  # torch calls NaN the largest; the kernel does not guess
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert int(argmax_rows(x)[1]) == 7
+    with pytest.raises(ValueError, match="float32"):
+        KERNELS.argmax(x.double())

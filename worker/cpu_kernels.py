@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_attention.c", "prefill_attention.c", "gemm.c", "norm.c", "rope.c", "layer.c",
-                         "block_copy.c", "crc32.c")]
+                         "block_copy.c", "crc32.c", "argmax.c")]
 _HEADERS = [Path(__file__).parent / "csrc" / "vec.h"]  # part of the build's identity, not compiled alone
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-shared", "-fPIC"]
@@ -78,6 +78,8 @@ class CpuKernels:
         lib.kvs_crc32.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int64]
         lib.kvs_copy_crc32.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         lib.kvs_crc32.restype = lib.kvs_copy_crc32.restype = ctypes.c_uint32
+        lib.kvs_argmax_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        lib.kvs_argmax_f32.restype = ctypes.c_int64
         lib.kvs_crc32_fast.argtypes = []
         lib.kvs_crc32_fast.restype = ctypes.c_int
         # whether crc32 beats zlib's here (carry-less multiplies); without, the same values, slower
@@ -211,6 +213,17 @@ class CpuKernels:
         di = torch.tensor(dst_ids, dtype=torch.int64)
         self._lib.kvs_copy_blocks(src.data_ptr(), dst.data_ptr(), si.data_ptr(), di.data_ptr(), len(src_ids),
                                   segments, piece_bytes, s_seg, s_block, d_seg, d_block, int(streaming))
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """torch.argmax(x, dim=-1) of float32 rows [N, V] (csrc/argmax.c): the first index of each row's
+        largest value, as int64 [N]; None when a row holds a NaN (torch's rules for it are the caller's)."""
+        x = _dense_f32(x)
+        if x.dim() != 2 or x.shape[1] == 0:
+            raise ValueError("argmax needs rows [N, V] with V >= 1")
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        if self._lib.kvs_argmax_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()):
+            return None
+        return out
 
     def crc32(self, data: torch.Tensor, init: int = 0) -> int:
         """zlib.crc32 of a dense CPU tensor's bytes (csrc/crc32.c), without the GIL."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstrata.worker.cpu_kernels import load_cpu_kernels
 from kvstrata.worker.request import Request
 
 
@@ -31,7 +32,7 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         else:
             tokens = self._sample_random(logits, requests)
         token_list = tokens.tolist()
@@ -62,8 +63,20 @@ class Sampler:
         for i, r in enumerate(requests):
             if r.generator is not None and not params[i].greedy:
                 noise[i].exponential_(generator=r.generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+        sampled = argmax_rows(probs / noise)
+        return torch.where(greedy_rows, argmax_rows(logits), sampled)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1), through the C kernel where it runs (float32 on CPU): about a tenth of
+    torch's time for a batch of vocabulary-wide rows. Rows holding a NaN go to torch, whose rules for
+    them it keeps."""
+    kernels = load_cpu_kernels() if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 else None
+    if kernels is not None and x.shape[1] > 0:
+        out = kernels.argmax(x)
+        if out is not None:
+            return out
+    return x.argmax(dim=-1)
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
