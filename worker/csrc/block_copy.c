@@ -17,20 +17,21 @@
 #include <immintrin.h>
 #endif
 
-static inline void copy_piece(char *dst, const char *src, size_t n, int streaming, const char *next) {
+/* One vector of the build's width, stored past the caches. */
 #if defined(__AVX512F__)
-    if (streaming && ((uintptr_t)dst & 63) == 0 && n % 64 == 0) {
-        for (size_t i = 0; i < n; i += 64) {
-            if (next) __builtin_prefetch(next + i);
-            _mm512_stream_si512((__m512i *)(dst + i), _mm512_loadu_si512((const void *)(src + i)));
-        }
-        return;
-    }
+#define STREAM_BYTES 64
+#define STREAM(dst, src) _mm512_stream_si512((__m512i *)(dst), _mm512_loadu_si512((const void *)(src)))
 #elif defined(__AVX2__)
-    if (streaming && ((uintptr_t)dst & 31) == 0 && n % 32 == 0) {
-        for (size_t i = 0; i < n; i += 32) {
-            if (next) __builtin_prefetch(next + i);
-            _mm256_stream_si256((__m256i *)(dst + i), _mm256_loadu_si256((const __m256i *)(src + i)));
+#define STREAM_BYTES 32
+#define STREAM(dst, src) _mm256_stream_si256((__m256i *)(dst), _mm256_loadu_si256((const __m256i *)(src)))
+#endif
+
+static inline void copy_piece(char *dst, const char *src, size_t n, int streaming, const char *next) {
+#ifdef STREAM_BYTES
+    if (streaming && (uintptr_t)dst % STREAM_BYTES == 0 && n % STREAM_BYTES == 0) {
+        for (size_t i = 0; i < n; i += STREAM_BYTES) {
+            if (next && i % 64 == 0) __builtin_prefetch(next + i);
+            STREAM(dst + i, src + i);
         }
         return;
     }
@@ -53,7 +54,7 @@ void kvs_copy_blocks(const char *src, char *dst, const int64_t *src_ids, const i
                            (int)streaming, next);
             }
         }
-#if defined(__AVX2__) || defined(__AVX512F__)
+#ifdef STREAM_BYTES
         if (streaming) _mm_sfence(); /* this thread's streamed stores are visible before the barrier */
 #endif
     }
