@@ -26,9 +26,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "vec.h"
 
 /* The tile follows the vector registers the build has. With AVX-512 (32 registers of 16 floats):
  * MR = 8 rows x NP = 3 vectors = 24 accumulators, NR = 48. With AVX2 (16 registers of 8 floats):
@@ -36,46 +35,19 @@
  * 115-150 GFLOP/s from 8 to 256 rows, up to 35% ahead of a 6 x 2 tile). The AVX-512 tile there would
  * need 48 registers, and its spills made the GEMM about 30x slower. The packed group is NR columns
  * (kvs_gemm_group), so weights are packed for the build that multiplies them. */
-#if defined(__AVX512F__)
-#define VW 16
 #define NP 3
+#if VW == 16
 #define MR 8
 #else
-#define VW 8
-#define NP 3
 #define MR 4
 #endif
-typedef float vfl __attribute__((vector_size(4 * VW)));
-typedef uint16_t vhl __attribute__((vector_size(2 * VW)));
-typedef uint32_t vul __attribute__((vector_size(4 * VW)));
 
 #define NR (VW * NP)   /* output columns per group */
 #define MB 64          /* rows of x per block, which stays in L2 while the groups stream past it */
 #define PF 16          /* k steps of weight prefetch */
-#define UNROLL _Pragma("GCC unroll 16")
 
-/* bf16 -> float32 is a 16-bit shift into the high half. Written as __builtin_convertvector, GCC
- * (tuned for a Zen 5 EPYC) split each 16-lane widening into two 8-lane ones plus an extract and an
- * insert, and the one-row bf16 GEMM read 29 GB/s on one core; the intrinsics give one widening load. */
-static inline __attribute__((always_inline)) vfl widen_bf16(const uint16_t *p) {
-    vfl v;
-#if defined(__AVX512F__)
-    __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
-    memcpy(&v, &u, sizeof v);
-#elif defined(__AVX2__)
-    __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-    memcpy(&v, &u, sizeof v);
-#else
-    vhl h;
-    memcpy(&h, p, sizeof h);
-    vul u = __builtin_convertvector(h, vul) << 16;
-    memcpy(&v, &u, sizeof v);
-#endif
-    return v;
-}
-
-static inline __attribute__((always_inline)) vfl loadv(const void *w, int64_t idx, int is_bf16) {
-    vfl v;
+static inline __attribute__((always_inline)) vf load_weight(const void *w, int64_t idx, int is_bf16) {
+    vf v;
     if (is_bf16) {
         v = widen_bf16((const uint16_t *)w + idx);
     } else {
@@ -87,15 +59,15 @@ static inline __attribute__((always_inline)) vfl loadv(const void *w, int64_t id
 static inline __attribute__((always_inline)) void micro(const float *x, int64_t k, const void *wp, int64_t g,
                                                         float *y, int64_t ldy, int mr, int ncols, int is_bf16,
                                                         int ahead, const char *next, int64_t next_step) {
-    vfl acc[MR][NP];
+    vf acc[MR][NP];
     UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NP; j++) acc[i][j] = (vfl){0};
+        UNROLL for (int j = 0; j < NP; j++) acc[i][j] = (vf){0};
     int64_t base = g * k * NR;
     const char *pf = (const char *)wp + (base + PF * NR) * (is_bf16 ? 2 : 4);
     int64_t pf_step = NR * (is_bf16 ? 2 : 4);
     for (int64_t kk = 0; kk < k; kk++) {
-        vfl w[NP];
-        UNROLL for (int j = 0; j < NP; j++) w[j] = loadv(wp, base + kk * NR + VW * j, is_bf16);
+        vf w[NP];
+        UNROLL for (int j = 0; j < NP; j++) w[j] = load_weight(wp, base + kk * NR + VW * j, is_bf16);
         if (ahead)
             for (int64_t b = 0; b < pf_step; b += 64) __builtin_prefetch(pf + kk * pf_step + b);
         if (next)
@@ -137,8 +109,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t k
  * were batched. (Four accumulators over alternate k steps read a few % faster.) */
 static inline __attribute__((always_inline)) void gemv_group(const float *x, int64_t k, const void *wp, int64_t g,
                                                              float *y, int ncols, int is_bf16) {
-    vfl acc[NP];
-    UNROLL for (int j = 0; j < NP; j++) acc[j] = (vfl){0};
+    vf acc[NP];
+    UNROLL for (int j = 0; j < NP; j++) acc[j] = (vf){0};
     int64_t base = g * k * NR;
     for (int64_t kk = 0; kk < k; kk++) {
         float xv = x[kk];
@@ -147,7 +119,7 @@ static inline __attribute__((always_inline)) void gemv_group(const float *x, int
             __builtin_prefetch(ahead);
             __builtin_prefetch(ahead + 64);
         }
-        UNROLL for (int j = 0; j < NP; j++) acc[j] += xv * loadv(wp, base + kk * NR + VW * j, is_bf16);
+        UNROLL for (int j = 0; j < NP; j++) acc[j] += xv * load_weight(wp, base + kk * NR + VW * j, is_bf16);
     }
     memcpy(y, acc, (size_t)ncols * sizeof(float));
 }

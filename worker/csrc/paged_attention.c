@@ -266,10 +266,15 @@ static inline __attribute__((always_inline)) void decode_queries(
                             __builtin_prefetch(next_v + (j0 + j) * row_bytes + b, 0, 1);
                         }
                     }
-                    const float *kr = load_row(k_cache, (block * bs + j0 + j) * num_kv_heads + kv_head, d,
-                                               f, key_params, buf);
+                    int64_t row = (block * bs + j0 + j) * num_kv_heads + kv_head;
                     vf kv[128 / VW];
-                    UNROLL for (int i = 0; i < DV; i++) kv[i] = loadv(kr + VW * i);
+                    if (f->kind == ROW_BF16) { /* widened in registers, not through buf */
+                        const uint16_t *kr = (const uint16_t *)k_cache + row * d;
+                        UNROLL for (int i = 0; i < DV; i++) kv[i] = widen_bf16(kr + VW * i);
+                    } else {
+                        const float *kr = load_row(k_cache, row, d, f, key_params, buf);
+                        UNROLL for (int i = 0; i < DV; i++) kv[i] = loadv(kr + VW * i);
+                    }
                     UNROLL for (int g = 0; g < NQ; g++) {
                         vf t = qv[g][0] * kv[0];
                         UNROLL for (int i = 1; i < DV; i++) t += qv[g][i] * kv[i];
@@ -332,9 +337,15 @@ static inline __attribute__((always_inline)) void decode_queries(
         UNROLL for (int g = 0; g < NQ; g++)
             UNROLL for (int i = 0; i < DV; i++) av[g][i] = loadv(acc + g * d + VW * i);
         for (int64_t j = 0; j < n; j++) {
-            const float *vr = load_row(v_cache, (block * bs + j) * num_kv_heads + kv_head, d, f, NULL, buf);
+            int64_t row = (block * bs + j) * num_kv_heads + kv_head;
             vf vv[128 / VW];
-            UNROLL for (int i = 0; i < DV; i++) vv[i] = loadv(vr + VW * i);
+            if (f->kind == ROW_BF16) {
+                const uint16_t *vr = (const uint16_t *)v_cache + row * d;
+                UNROLL for (int i = 0; i < DV; i++) vv[i] = widen_bf16(vr + VW * i);
+            } else {
+                const float *vr = load_row(v_cache, row, d, f, NULL, buf);
+                UNROLL for (int i = 0; i < DV; i++) vv[i] = loadv(vr + VW * i);
+            }
             UNROLL for (int g = 0; g < NQ; g++) {
                 float p = s[g * bs16 + j];
                 UNROLL for (int i = 0; i < DV; i++) av[g][i] += p * vv[i];
