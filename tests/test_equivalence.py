@@ -97,13 +97,13 @@ def test_a_prompts_outputs_are_the_same_bits_alone_or_batched(llm, prompt_ids):
     assert len(alone.logprobs) == 12 and all(len(lp) >= 2 for lp in alone.logprobs)
 
 
-def test_fused_decode_layers_give_the_same_bits_as_the_call_by_call_path(llm, prompt_ids):
-    """Decode-only fp32 steps run each layer as two C calls (worker/fused_decode.py); switched off,
-    the same kernels run one by one from Python. Tokens and log-probabilities must not move."""
+def _fused_matches_call_by_call(llm, prompt_ids) -> None:
+    """Decode-only steps run each layer as a few C calls (worker/fused_decode.py); switched off, the
+    same kernels run one by one from Python. Tokens and log-probabilities must not move."""
     model = llm.engine.runner.model
     fused = model.fused_decode
     if fused is None:
-        pytest.skip("needs the CPU kernels and packed float32 weights")
+        pytest.skip("needs the CPU kernels and packed weights")
     calls = []
     original = fused.forward
 
@@ -114,8 +114,12 @@ def test_fused_decode_layers_give_the_same_bits_as_the_call_by_call_path(llm, pr
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
     fused.forward = counting
     try:
+        # each run from an empty prefix cache: bf16 prefills attend through torch, whose sums over a
+        # cached prefix and over a fresh one are not the same bits
+        llm.reset_prefix_cache()
         with_fused = llm.generate(prompt_ids[:3], params)
         model.fused_decode = None
+        llm.reset_prefix_cache()
         without = llm.generate(prompt_ids[:3], params)
     finally:
         model.fused_decode = fused
@@ -124,3 +128,33 @@ def test_fused_decode_layers_give_the_same_bits_as_the_call_by_call_path(llm, pr
     for a, b in zip(with_fused, without):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_fused_decode_layers_give_the_same_bits_as_the_call_by_call_path(llm, prompt_ids):
+    _fused_matches_call_by_call(llm, prompt_ids)
+
+
+def test_fused_bf16_decode_layers_give_the_same_bits_as_the_call_by_call_path(prompt_ids):
+    """bf16 runs a layer as one C call while a step's rows go to the packed GEMM (up to 8), with the
+    same HF rounding points as the C kernels the call-by-call path runs; past 8 rows it stays off."""
+    import torch
+
+    from kvstrata import LLM
+
+    bf16 = LLM("smollm2-135m", num_gpu_blocks=64, dtype="bfloat16")
+    fused = bf16.engine.runner.model.fused_decode
+    if fused is None:
+        pytest.skip("needs the CPU kernels and packed bf16 weights")
+    assert fused.dtype == torch.bfloat16
+    if fused.max_tokens is not None:
+        assert not fused.takes(_decode_meta(9), 9) and fused.takes(_decode_meta(8), 8)
+    _fused_matches_call_by_call(bf16, prompt_ids)
+    bf16.check_integrity()
+
+
+def _decode_meta(rows: int):
+    """Just enough of a decode-only step's metadata for FusedDecode.takes."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(prefills=[], num_decodes=rows, cpu_kernels=object(), attention_observer=None,
+                           decode_block_tables=object())

@@ -330,6 +330,74 @@ def test_fused_rope_rejects_what_it_cannot_take():
         KERNELS.rope_write_kv(torch.zeros(2, 15 * 64), 9, 3, cos, sin, kc, vc, torch.zeros(2, dtype=torch.int64))
 
 
+def _bf16_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 values lie between a and b (same-signed finite values: their bit patterns'
+    distance), element by element."""
+    ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return (ai - bi).abs()
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_bf16_norms_and_silu_gate_round_where_hf_rounds(rows):
+    """The bf16 C kernels against HF's bf16 order in torch (normalise in float32, round, scale;
+    round the SiLU, then the product): equal, bar a value that their float32 sums or exp move across
+    a rounding boundary, which may then sit one bf16 step away."""
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=gen) * 3).bfloat16()
+    res = torch.randn(rows, 576, generator=gen).bfloat16()
+    w = torch.randn(576, generator=gen).bfloat16()
+
+    def close(got, ref):
+        assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+        steps = _bf16_steps_apart(got, ref)
+        assert steps.max() <= 1 and (steps == 0).float().mean() >= 0.999
+
+    close(KERNELS.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
+    expected_res = res + x  # bf16 + bf16, rounded once
+    out = KERNELS.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(res, expected_res)  # in place, and exact
+    close(out, rms_norm(expected_res, w, 1e-5))
+    gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 4).bfloat16()
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30])  # zeros, saturation, tiny
+    gate, up = gate_up.chunk(2, dim=-1)
+    close(KERNELS.silu_mul(gate_up), F.silu(gate) * up)
+    with pytest.raises(ValueError, match="bfloat16"):
+        KERNELS.silu_mul(gate_up.float())
+    with pytest.raises(ValueError, match="expected"):
+        KERNELS.rms_norm(x, w.float(), 1e-5)  # a weight of another dtype than x
+
+
+@needs_kernels
+@pytest.mark.parametrize("tokens", [1, 70])
+def test_bf16_rope_and_kv_write_round_as_hf(tokens):
+    """bf16 RoPE as HF's bf16 model computes it, q * cos + rotate_half(q) * sin with each product and
+    the sum rounded: the same bits; rotated keys and plain values land at their slots."""
+    h, hkv, d, nb, bs = 9, 3, 64, 12, 16
+    gen = torch.Generator().manual_seed(tokens)
+    rope = RotaryEmbedding(d, 4096, 10000.0, None, torch.bfloat16, torch.device("cpu"))
+    qkv = torch.randn(tokens, (h + 2 * hkv) * d, generator=gen).bfloat16()
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    cos, signed_sin = rope.lookup(positions)
+    sin = torch.cat((-signed_sin[..., : d // 2], signed_sin[..., d // 2 :]), dim=-1)
+    qk = qkv[:, : (h + hkv) * d].view(tokens, -1, d)
+    rotate_half = torch.cat((-qk[..., d // 2 :], qk[..., : d // 2]), dim=-1)
+    ref = qk * cos + rotate_half * sin  # HF's expression, every op in bf16
+    slots = torch.randperm(nb * bs, generator=gen)[:tokens]
+    fused = qkv.clone()
+    k_got = torch.zeros(nb, bs, hkv, d, dtype=torch.bfloat16)
+    v_got = torch.zeros_like(k_got)
+    KERNELS.rope_write_kv(fused, h, hkv, cos, signed_sin, k_got, v_got, slots)
+    assert torch.equal(fused[:, : (h + hkv) * d].view(tokens, -1, d), ref)
+    assert torch.equal(k_got.view(-1, hkv, d)[slots], ref[:, h:])
+    assert torch.equal(v_got.view(-1, hkv, d)[slots], qkv[:, (h + hkv) * d :].view(tokens, hkv, d))
+    untouched = torch.ones(nb * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_got.view(-1, hkv, d)[untouched].any() and not v_got.view(-1, hkv, d)[untouched].any()
+    with pytest.raises(ValueError, match="K/V caches"):
+        KERNELS.rope_write_kv(qkv.clone(), h, hkv, cos, signed_sin, k_got.float(), v_got.float(), slots)
+
+
 @needs_kernels
 def test_a_slot_outside_the_pool_is_refused_before_the_fused_write(llm):
     """The C pass writes where slot_mapping says: the model checks the step's slots first."""

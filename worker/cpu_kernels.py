@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_attention.c", "prefill_attention.c", "gemm.c", "norm.c", "rope.c", "layer.c",
-                         "block_copy.c", "crc32.c", "argmax.c")]
+                         "block_copy.c", "crc32.c", "argmax.c", "bf16_ops.c")]
 _HEADERS = [Path(__file__).parent / "csrc" / "vec.h"]  # part of the build's identity, not compiled alone
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-shared", "-fPIC"]
@@ -61,14 +61,22 @@ class CpuKernels:
         lib.kvs_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_add_rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_rms_norm_f32.restype = lib.kvs_add_rms_norm_f32.restype = None
-        lib.kvs_rope_write_kv_f32.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 5
-        lib.kvs_rope_write_kv_f32.restype = None
+        lib.kvs_rms_norm_bf16.argtypes = lib.kvs_rms_norm_f32.argtypes
+        lib.kvs_add_rms_norm_bf16.argtypes = lib.kvs_add_rms_norm_f32.argtypes
+        lib.kvs_rms_norm_bf16.restype = lib.kvs_add_rms_norm_bf16.restype = None
+        for fn in (lib.kvs_rope_write_kv_f32, lib.kvs_rope_write_kv_bf16):
+            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 5
+            fn.restype = None
+        lib.kvs_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        lib.kvs_silu_mul_bf16.restype = None
         # a decode-only layer in two calls (csrc/layer.c, driven by fused_decode.py): pointers to its
         # LayerWeights and DecodeStep structs, then the layer's K and V caches for the first
         lib.kvs_layer_attention.argtypes = [ctypes.c_void_p] * 4
         lib.kvs_layer_mlp.argtypes = [ctypes.c_void_p] * 2
-        lib.kvs_layer_attention.restype = lib.kvs_layer_mlp.restype = None
-        self.layer_attention, self.layer_mlp = lib.kvs_layer_attention, lib.kvs_layer_mlp
+        lib.kvs_layer_bf16.argtypes = [ctypes.c_void_p] * 4  # bf16: the whole layer, the same four pointers
+        lib.kvs_layer_attention.restype = lib.kvs_layer_mlp.restype = lib.kvs_layer_bf16.restype = None
+        self.layer_attention, self.layer_mlp, self.layer_bf16 = (lib.kvs_layer_attention, lib.kvs_layer_mlp,
+                                                                 lib.kvs_layer_bf16)
         lib.kvs_paged_prefill_f32.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
                                               + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
                                               + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float])
@@ -243,44 +251,61 @@ class CpuKernels:
     def rope_write_kv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
                       signed_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
-        """One layer's rotary embedding and K/V write (csrc/rope.c): qkv [T, (H + 2 Hkv) * D] float32,
-        its queries and keys rotated in place; cos, signed_sin [T, D] (or [T, 1, D]); caches
-        [num_blocks, block_size, Hkv, D] float32 get the rotated keys and the values at slot_mapping
-        [T], which must be in range (the caller checks once per step, not per layer)."""
-        tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
-        if (qkv.dtype != torch.float32 or not qkv.is_contiguous()
+        """One layer's rotary embedding and K/V write (csrc/rope.c, csrc/bf16_ops.c): qkv [T, (H + 2 Hkv)
+        * D] float32 or bfloat16, its queries and keys rotated in place; cos, signed_sin [T, D] (or [T,
+        1, D]); caches [num_blocks, block_size, Hkv, D] of qkv's dtype get the rotated keys and the
+        values at slot_mapping [T], which must be in range (the caller checks once per step, not per
+        layer). bf16 rounds as HF's bf16 model does (see csrc/bf16_ops.c)."""
+        tokens, head_dim, dtype = qkv.shape[0], k_cache.shape[-1], qkv.dtype
+        if (dtype not in _LAYER_DTYPES or not qkv.is_contiguous()
                 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim):
-            raise ValueError(f"qkv must be dense float32 [T, {(num_heads + 2 * num_kv_heads) * head_dim}]")
+            raise ValueError(f"qkv must be dense float32 or bfloat16 [T, {(num_heads + 2 * num_kv_heads) * head_dim}]")
         if head_dim % 2 or head_dim > 256 or k_cache.shape[-2] != num_kv_heads:
             raise ValueError(f"rope_write_kv needs an even head_dim up to 256 and {num_kv_heads} KV heads")
         for t in (k_cache, v_cache):
-            if t.dtype != torch.float32 or not t.is_contiguous():
-                raise ValueError("rope_write_kv needs dense float32 K/V caches")
-        cos, signed_sin = _dense_f32(cos), _dense_f32(signed_sin)
+            if t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"rope_write_kv needs dense {dtype} K/V caches")
+        cos, signed_sin = _dense(cos, dtype), _dense(signed_sin, dtype)
         if cos.numel() != tokens * head_dim or signed_sin.numel() != tokens * head_dim:
             raise ValueError(f"cos and sin must hold [{tokens}, {head_dim}] values")
         slots = _dense_int64(slot_mapping)
         if slots.numel() != tokens:
             raise ValueError(f"slot_mapping has {slots.numel()} entries for {tokens} tokens")
-        self._lib.kvs_rope_write_kv_f32(qkv.data_ptr(), tokens, qkv.shape[1], num_heads, num_kv_heads, head_dim,
-                                        cos.data_ptr(), signed_sin.data_ptr(), k_cache.data_ptr(),
-                                        v_cache.data_ptr(), slots.data_ptr())
+        fn = self._lib.kvs_rope_write_kv_f32 if dtype == torch.float32 else self._lib.kvs_rope_write_kv_bf16
+        fn(qkv.data_ptr(), tokens, qkv.shape[1], num_heads, num_kv_heads, head_dim, cos.data_ptr(),
+           signed_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """bfloat16 [T, 2I] (gate columns, then up) -> silu(gate) * up [T, I], rounded as HF's bf16
+        model rounds (csrc/bf16_ops.c)."""
+        gate_up = _dense(gate_up, torch.bfloat16)
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError("silu_mul needs [T, 2I] rows")
+        inter = gate_up.shape[1] // 2
+        out = torch.empty((gate_up.shape[0], inter), dtype=torch.bfloat16)
+        self._lib.kvs_silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x: [T, n] float32 -> normalised and scaled copy."""
-        x = _dense_f32(x)
+        """x: [T, n] float32 or bfloat16, weight [n] of its dtype -> normalised and scaled copy (bf16
+        rounded as HF's bf16 model rounds)."""
+        x = _dense(x, x.dtype)
+        weight = _dense(weight, x.dtype)
         out = torch.empty_like(x)
-        self._lib.kvs_rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        fn = self._lib.kvs_rms_norm_f32 if x.dtype == torch.float32 else self._lib.kvs_rms_norm_bf16
+        fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """residual += x in place (both [T, n] float32, residual dense); returns rms_norm(residual)."""
-        if residual.dtype != torch.float32 or not residual.is_contiguous() or residual.shape != x.shape:
-            raise ValueError("add_rms_norm needs a dense float32 residual of x's shape")
-        x = _dense_f32(x)
+        """residual += x in place (both [T, n] float32 or both bfloat16, residual dense); returns
+        rms_norm(residual)."""
+        if residual.dtype not in _LAYER_DTYPES or not residual.is_contiguous() or residual.shape != x.shape:
+            raise ValueError("add_rms_norm needs a dense float32 or bfloat16 residual of x's shape")
+        x = _dense(x, residual.dtype)
+        weight = _dense(weight, residual.dtype)
         out = torch.empty_like(residual)
-        self._lib.kvs_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                       x.shape[0], x.shape[1], eps)
+        fn = self._lib.kvs_add_rms_norm_f32 if x.dtype == torch.float32 else self._lib.kvs_add_rms_norm_bf16
+        fn(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
         return out
 
 
@@ -289,10 +314,17 @@ def _check_dense_cpu(t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} needs a dense CPU tensor")
 
 
-def _dense_f32(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype != torch.float32:
-        raise ValueError(f"expected float32, got {t.dtype}")
+_LAYER_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes of the layer kernels (norms, RoPE)
+
+
+def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if t.dtype != dtype or dtype not in _LAYER_DTYPES:
+        raise ValueError(f"expected {dtype} (float32 or bfloat16), got {t.dtype}")
     return t if t.is_contiguous() else t.contiguous()
+
+
+def _dense_f32(t: torch.Tensor) -> torch.Tensor:
+    return _dense(t, torch.float32)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Decode-only steps in float32 on CPU: each layer is two C calls (csrc/layer.c) and the SiLU in torch.
+"""Decode-only steps on CPU, a layer in a few C calls (csrc/layer.c): two in float32 (the SiLU gate
+in torch between them), one in bf16 while the step's rows go to the packed GEMM (up to 8).
 
 A step's layer is otherwise about ten Python-level calls (projections, RoPE and K/V write,
 attention, norms), each with its checks and its ctypes or torch dispatch: about 30-40 us a layer,
@@ -10,7 +11,7 @@ that stay for the model's life are set up once; a step sets up its own once, for
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -33,63 +34,80 @@ class _DecodeStep(ctypes.Structure):
                                                      "num_kv_heads", "head_dim", "block_size", "table_width")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(name, _P) for name in ("cos", "ssin", "slots", "block_tables", "seq_lens", "residual", "x",
-                                           "qkv", "attn", "o", "gate_up", "act")])
+                                           "qkv", "attn", "o", "gate_up", "act", "wide_in", "wide_out")])
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float().contiguous()
 
 
+def _packed(weight: Any) -> Any:
+    """The packed panels of a prepared weight (bf16 keeps them beside oneDNN's layout)."""
+    return weight[0] if isinstance(weight, tuple) else weight
+
+
 class FusedDecode:
-    """Built for a model whose projections are packed float32 weights (see `build`)."""
+    """Built for a model whose projections are packed float32 or bf16 weights (see `build`)."""
 
     def __init__(self, kernels: CpuKernels, model: LlamaModel):
-        self._attention, self._mlp = kernels.layer_attention, kernels.layer_mlp
+        self._attention, self._mlp, self._layer_bf16 = kernels.layer_attention, kernels.layer_mlp, kernels.layer_bf16
         c = model.config
         self.model = model
-        self.inter = model.layers[0].gate_up.n // 2
-        self.qkv_n = model.layers[0].qkv.n
+        self.dtype = model.dtype
         layers = model.layers
-        self._keep: list[torch.Tensor] = []  # float32 copies the C side points into
+        self.inter = _packed(layers[0].gate_up).n // 2
+        self.qkv_n = _packed(layers[0].qkv).n
+        # bf16: only as many rows as the model's linear sends to the packed kernel (oneDNN beyond)
+        self.max_tokens = getattr(model.linear, "max_packed_rows", None)
+        norm = _f32 if self.dtype == torch.float32 else (lambda t: None if t is None else t.contiguous())
+        self._keep: list[torch.Tensor] = []  # copies the C side points into
         self._weights = (_LayerWeights * len(layers))()
         for i, layer in enumerate(layers):
-            bias, post = _f32(layer.qkv_bias), _f32(layer.post_norm)
-            nxt = _f32(layers[i + 1].input_norm) if i + 1 < len(layers) else None
+            bias, post = _f32(layer.qkv_bias), norm(layer.post_norm)
+            nxt = norm(layers[i + 1].input_norm) if i + 1 < len(layers) else None
             self._keep += [t for t in (bias, post, nxt) if t is not None]
             ptr = [None if t is None else t.data_ptr() for t in (
-                layer.qkv.data, bias, layer.o_proj.data, post, layer.gate_up.data, layer.down.data, nxt)]
+                _packed(layer.qkv).data, bias, _packed(layer.o_proj).data, post, _packed(layer.gate_up).data,
+                _packed(layer.down).data, nxt)]
             self._weights[i] = _LayerWeights(*ptr)
         self._refs = [ctypes.byref(w) for w in self._weights]
         self.eps, self.head_dim = c.rms_norm_eps, c.head_dim
 
     @staticmethod
     def build(model: LlamaModel) -> FusedDecode | None:
-        """None unless every projection is a packed float32 weight and the model has no ranks to sum."""
+        """None unless every projection is a packed weight of the model's dtype (float32 or bf16) and
+        the model has no ranks to sum."""
         kernels = model.cpu_kernels
-        if kernels is None or model.all_reduce is not None or model.dtype != torch.float32:
+        if kernels is None or model.all_reduce is not None or model.dtype not in (torch.float32, torch.bfloat16):
             return None
-        weights = [w for layer in model.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-        if not all(isinstance(w, PackedWeight) and w.data.dtype == torch.float32 for w in weights):
+        weights = [_packed(w) for layer in model.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        if not all(isinstance(w, PackedWeight) and w.data.dtype == model.dtype for w in weights):
             return None
         return FusedDecode(kernels, model)
 
-    @staticmethod
-    def takes(meta: AttentionMetadata, num_tokens: int) -> bool:
-        """A decode-only step whose attention runs in the C kernel, with nobody watching the scores."""
+    def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """A decode-only step whose attention runs in the C kernel, with nobody watching the scores
+        (and, in bf16, few enough rows for the packed GEMM)."""
         return (not meta.prefills and meta.num_decodes == num_tokens and meta.cpu_kernels is not None
-                and meta.attention_observer is None and meta.decode_block_tables is not None)
+                and meta.attention_observer is None and meta.decode_block_tables is not None
+                and (self.max_tokens is None or num_tokens <= self.max_tokens))
 
     def forward(self, residual: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
         """residual [T, hidden] (updated in place to the last layer's output) and x its normed copy;
-        kv_cache [L, 2, blocks, block_size, Hkv, D] float32, dense; the slots already checked."""
+        kv_cache [L, 2, blocks, block_size, Hkv, D] of the model's dtype, dense; the slots already checked."""
         m = self.model
         tokens, hidden = residual.shape
-        qkv = torch.empty(tokens, self.qkv_n)
-        attn = torch.empty(tokens, m.num_heads * self.head_dim)
-        o = torch.empty(tokens, hidden)
-        gate_up = torch.empty(tokens, 2 * self.inter)
-        act = torch.empty(tokens, self.inter)
+        q_size = m.num_heads * self.head_dim
+
+        def buf(*shape: int, dtype: torch.dtype = self.dtype) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype)
+
+        qkv, attn, o = buf(tokens, self.qkv_n), buf(tokens, q_size), buf(tokens, hidden)
+        gate_up, act = buf(tokens, 2 * self.inter), buf(tokens, self.inter)
+        bf16 = self.dtype == torch.bfloat16
+        wide_in = buf(tokens, max(hidden, self.inter, q_size), dtype=torch.float32) if bf16 else None
+        wide_out = buf(tokens, max(self.qkv_n, 2 * self.inter), dtype=torch.float32) if bf16 else None
         tables = meta.decode_block_tables.to(torch.int64).contiguous()
         lens = meta.decode_seq_lens.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
@@ -98,10 +116,17 @@ class FusedDecode:
                            kv_cache.shape[3], tables.shape[1], self.eps, m.scale, cos.data_ptr(),
                            signed_sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                            residual.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), o.data_ptr(),
-                           gate_up.data_ptr(), act.data_ptr())
+                           gate_up.data_ptr(), act.data_ptr(), None if wide_in is None else wide_in.data_ptr(),
+                           None if wide_out is None else wide_out.data_ptr())
         sp = ctypes.byref(step)
+        base, elt = kv_cache.data_ptr(), kv_cache.element_size()
+        layer_bytes, kv_bytes = kv_cache.stride(0) * elt, kv_cache.stride(1) * elt
+        if bf16:
+            for i, ref in enumerate(self._refs):
+                k_ptr = base + i * layer_bytes
+                self._layer_bf16(ref, sp, k_ptr, k_ptr + kv_bytes)
+            return
         gate, up = gate_up[:, : self.inter], gate_up[:, self.inter :]
-        base, layer_bytes, kv_bytes = kv_cache.data_ptr(), kv_cache.stride(0) * 4, kv_cache.stride(1) * 4
         for i, ref in enumerate(self._refs):
             k_ptr = base + i * layer_bytes
             self._attention(ref, sp, k_ptr, k_ptr + kv_bytes)

@@ -103,9 +103,10 @@ class LlamaModel:
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                     c.rope_scaling, dtype, device)
         self.scale = c.head_dim**-0.5
-        # fused C norms only in float32: 16-bit types keep HF's exact rounding order (rms_norm below)
+        # C norms, RoPE and (bf16) SiLU gate on CPU; bf16 rounds where HF's bf16 model rounds
+        # (csrc/bf16_ops.c), as rms_norm below does in torch
         self.cpu_kernels = None
-        if device.type == "cpu" and dtype == torch.float32:
+        if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             from kvstrata.worker.cpu_kernels import load_cpu_kernels
 
             self.cpu_kernels = load_cpu_kernels()
@@ -154,8 +155,7 @@ class LlamaModel:
             if self.all_reduce is not None:
                 self.all_reduce(attn)  # row-parallel: sum the ranks' partial outputs
             x = self._add_rms_norm(attn, residual, layer.post_norm)
-            gate, up = linear(x, layer.gate_up, None).chunk(2, dim=-1)
-            mlp = linear(F.silu(gate) * up, layer.down, None)
+            mlp = linear(self._silu_mul(linear(x, layer.gate_up, None)), layer.down, None)
             if self.all_reduce is not None:
                 self.all_reduce(mlp)
             if i + 1 < len(self.layers):
@@ -165,9 +165,9 @@ class LlamaModel:
         return residual
 
     def _fused_rope(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step rotates and writes K/V through the C kernel: float32 on CPU with the
-        kernels, plain float rows, a head size it takes. Its slots are checked here, once a step."""
-        if (self.cpu_kernels is None or kv_cache.dtype != torch.float32 or self.config.head_dim % 2
+        """Whether this step rotates and writes K/V through the C kernel: float32 or bf16 on CPU with
+        the kernels, K/V rows of the model's dtype, a head size it takes. Its slots are checked here, once a step."""
+        if (self.cpu_kernels is None or kv_cache.dtype != self.dtype or self.config.head_dim % 2
                 or self.config.head_dim > 256 or (meta.kv_format is not None and not meta.kv_format.is_plain)):
             return False
         slots = meta.slot_mapping
@@ -175,6 +175,13 @@ class LlamaModel:
         if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < capacity):
             raise ValueError(f"slot_mapping holds slots outside the pool's {capacity}")
         return True
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] -> silu(gate) * up [T, I]."""
+        if self.cpu_kernels is not None and gate_up.dtype == torch.bfloat16:
+            return self.cpu_kernels.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernels is not None:

@@ -1,10 +1,14 @@
-/* A decode-only step's layer in two calls, float32, packed weights, plain K/V rows:
+/* A decode-only step's layer in few calls, packed weights, plain K/V rows. float32, two calls:
  *
  *   kvs_layer_attention:  qkv = x Wqkv^T (+ b); RoPE and the K/V write; attention; o = attn Wo^T;
  *                         residual += o; x = norm(residual) * post_norm; gate_up = x Wgu^T
  *   (the caller:          act = silu(gate) * up, in torch, whose exp the C code would not match)
  *   kvs_layer_mlp:        o = act Wdown^T; residual += o; x = norm(residual) * next_norm (the
  *                         next layer's input norm; without one, the last layer, only the add)
+ *
+ * bf16, one call (kvs_layer_bf16): the same stages with csrc/bf16_ops.c's rounding, the SiLU gate
+ * included; the GEMM and attention read float32, so their inputs are widened into `wide_in` and
+ * their outputs, in `wide_out`, rounded back, as CpuKernels.gemm and paged_decode do from Python.
  *
  * Each stage is the same kernel the step would call one by one from Python, on the same buffers
  * in the same order, so the results are the same bits; what goes away is the Python and ctypes
@@ -24,17 +28,34 @@ void kvs_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache
                           float scale);
 void kvs_add_rms_norm_f32(const float *x, float *residual, const float *w, float *out, int64_t rows, int64_t n,
                           float eps);
+void kvs_gemm_bf16(const float *x, const uint16_t *wp, const float *bias, float *y, int64_t m, int64_t n, int64_t k);
+void kvs_rope_write_kv_bf16(uint16_t *qkv, int64_t tokens, int64_t row, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t d, const uint16_t *cos, const uint16_t *ssin, uint16_t *k_cache,
+                            uint16_t *v_cache, const int64_t *slots);
+void kvs_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                           const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width,
+                           float scale);
+void kvs_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *w, uint16_t *out, int64_t rows,
+                           int64_t n, float eps);
+void kvs_silu_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t rows, int64_t inter);
+void kvs_widen_bf16(const uint16_t *src, int64_t src_stride, float *dst, int64_t rows, int64_t n);
+void kvs_narrow_bf16(const float *src, uint16_t *dst, int64_t count);
 
+/* Packed weights and norms of the model's dtype; the bias is float32. */
 typedef struct {
-    const float *qkv, *qkv_bias, *o_proj, *post_norm, *gate_up, *down, *next_norm; /* next_norm: NULL last */
+    const void *qkv;
+    const float *qkv_bias;
+    const void *o_proj, *post_norm, *gate_up, *down, *next_norm; /* next_norm: NULL in the last layer */
 } LayerWeights;
 
 typedef struct {
     int64_t tokens, hidden, qkv_n, inter, num_heads, num_kv_heads, head_dim, block_size, table_width;
     float eps, scale;
-    const float *cos, *ssin;
+    const void *cos, *ssin;
     const int64_t *slots, *block_tables, *seq_lens;
-    float *residual, *x, *qkv, *attn, *o, *gate_up, *act;
+    void *residual, *x, *qkv, *attn, *o, *gate_up, *act; /* [tokens, ...] of the model's dtype */
+    float *wide_in, *wide_out; /* bf16: [tokens, max(hidden, inter, H * D)] and [tokens, max(qkv_n, 2 inter)] */
 } DecodeStep;
 
 void kvs_layer_attention(const LayerWeights *w, const DecodeStep *s, float *k_cache, float *v_cache) {
@@ -55,6 +76,33 @@ void kvs_layer_mlp(const LayerWeights *w, const DecodeStep *s) {
     if (w->next_norm != NULL) {
         kvs_add_rms_norm_f32(s->o, s->residual, w->next_norm, s->x, t, h, s->eps);
     } else {
-        for (int64_t i = 0; i < t * h; i++) s->residual[i] += s->o[i];
+        float *residual = s->residual;
+        const float *o = s->o;
+        for (int64_t i = 0; i < t * h; i++) residual[i] += o[i];
     }
+}
+
+/* y [t, n] bf16 = x [t, k] bf16 times packed bf16 weights (+ bias), through the float32 GEMM. */
+static void gemm_bf16_rows(const DecodeStep *s, const uint16_t *x, const void *w, const float *bias, uint16_t *y,
+                           int64_t n, int64_t k) {
+    kvs_widen_bf16(x, k, s->wide_in, s->tokens, k);
+    kvs_gemm_bf16(s->wide_in, w, bias, s->wide_out, s->tokens, n, k);
+    kvs_narrow_bf16(s->wide_out, y, s->tokens * n);
+}
+
+void kvs_layer_bf16(const LayerWeights *w, const DecodeStep *s, uint16_t *k_cache, uint16_t *v_cache) {
+    int64_t t = s->tokens, h = s->hidden, q_size = s->num_heads * s->head_dim;
+    gemm_bf16_rows(s, s->x, w->qkv, w->qkv_bias, s->qkv, s->qkv_n, h);
+    kvs_rope_write_kv_bf16(s->qkv, t, s->qkv_n, s->num_heads, s->num_kv_heads, s->head_dim, s->cos, s->ssin, k_cache,
+                           v_cache, s->slots);
+    kvs_widen_bf16(s->qkv, s->qkv_n, s->wide_in, t, q_size);
+    kvs_paged_decode_bf16(s->wide_in, q_size, k_cache, v_cache, s->block_tables, s->seq_lens, s->wide_out, t,
+                          s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, s->table_width, s->scale);
+    kvs_narrow_bf16(s->wide_out, s->attn, t * q_size);
+    gemm_bf16_rows(s, s->attn, w->o_proj, NULL, s->o, h, q_size);
+    kvs_add_rms_norm_bf16(s->o, s->residual, w->post_norm, s->x, t, h, s->eps);
+    gemm_bf16_rows(s, s->x, w->gate_up, NULL, s->gate_up, 2 * s->inter, h);
+    kvs_silu_mul_bf16(s->gate_up, s->act, t, s->inter);
+    gemm_bf16_rows(s, s->act, w->down, NULL, s->o, h, s->inter);
+    kvs_add_rms_norm_bf16(s->o, s->residual, w->next_norm, s->x, t, h, s->eps); /* no next norm: the add alone */
 }
