@@ -105,19 +105,37 @@ static inline __attribute__((always_inline)) vf siluv(vf g) {
     return selectv(neg, g * e, g) / (1.0f + e);
 }
 
+typedef uint32_t vu __attribute__((vector_size(4 * VW)));
+typedef uint16_t vh __attribute__((vector_size(2 * VW)));
+
+/* VW values rounded to bf16 (to nearest, ties to even; a NaN stays one), left in float32 lanes. */
+static inline __attribute__((always_inline)) vf round_bf16v(vf v) {
+    vu u = (vu)v;
+    vu r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return selectv(v != v, v, (vf)r);
+}
+
+/* ... and stored as bf16: the high halves of the rounded lanes. */
+static inline __attribute__((always_inline)) void store_bf16v(uint16_t *dst, vf v) {
+    vh h = __builtin_convertvector((vu)round_bf16v(v) >> 16, vh);
+    memcpy(dst, &h, sizeof h);
+}
+
 /* gate_up [T, 2I] (the gate's I columns, then the up projection's) -> act [T, I]. */
 void kvs_silu_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t rows, int64_t inter) {
 #pragma omp parallel for schedule(static) if (rows >= 16)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
         uint16_t *out = act + r * inter;
-        for (int64_t i0 = 0; i0 < inter; i0 += VW) {
-            int64_t n = inter - i0 < VW ? inter - i0 : VW;
+        int64_t i0 = 0;
+        for (; i0 + VW <= inter; i0 += VW)
+            store_bf16v(out + i0, round_bf16v(siluv(widen_bf16(g + i0))) * widen_bf16(u + i0));
+        if (i0 < inter) { /* the last few, through a buffer of one vector */
+            int64_t n = inter - i0;
             float s[VW] = {0};
             for (int64_t i = 0; i < n; i++) s[i] = from_bf16(g[i0 + i]);
             vf sv = siluv(loadv(s));
             memcpy(s, &sv, sizeof sv);
-#pragma omp simd
             for (int64_t i = 0; i < n; i++) out[i0 + i] = to_bf16(round_bf16(s[i]) * from_bf16(u[i0 + i]));
         }
     }
