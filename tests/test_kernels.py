@@ -494,3 +494,31 @@ def test_argmax_leaves_rows_with_a_nan_to_torch():
     assert int(argmax_rows(x)[1]) == 7
     with pytest.raises(ValueError, match="float32"):
         KERNELS.argmax(x.double())
+
+
+@needs_kernels
+def test_gemm_prefetch_threshold_is_tuned_or_set_and_changes_no_bits(monkeypatch):
+    """Whether 2-5 rows prefetch their weights is timed once per process (or set by the environment);
+    either way a product is the same bits, since prefetches only move when bytes arrive."""
+    from kvstrata.worker.cpu_kernels import CpuKernels
+
+    gen = torch.Generator().manual_seed(11)
+    weights = [KERNELS.pack(torch.randn(200, 96, generator=gen)) for _ in range(3)]
+    x = torch.randn(7, 96, generator=gen)
+    try:
+        outs = {}
+        for rows in (2, 6):
+            KERNELS._lib.kvs_gemm_set_prefetch_rows(rows)
+            outs[rows] = [KERNELS.gemm(x[:m], w, None) for m in range(2, 8) for w in weights]
+        assert all(torch.equal(a, b) for a, b in zip(outs[2], outs[6]))
+        monkeypatch.setenv("KVSTRATA_GEMM_PREFETCH_ROWS", "3")
+        fresh = CpuKernels(KERNELS._lib)
+        assert fresh.tune_prefetch(weights) == 3 and fresh.prefetch_rows == 3
+        assert fresh.tune_prefetch([]) == 3  # once chosen, kept
+        monkeypatch.setenv("KVSTRATA_GEMM_PREFETCH_ROWS", "one")
+        with pytest.raises(ValueError, match="KVSTRATA_GEMM_PREFETCH_ROWS"):
+            CpuKernels(KERNELS._lib).tune_prefetch(weights)
+        monkeypatch.delenv("KVSTRATA_GEMM_PREFETCH_ROWS")
+        assert CpuKernels(KERNELS._lib).tune_prefetch(weights, rounds=1) in (2, 6)
+    finally:
+        KERNELS._lib.kvs_gemm_set_prefetch_rows(KERNELS.prefetch_rows or 6)

@@ -58,6 +58,9 @@ class CpuKernels:
         lib.kvs_gemm_group.argtypes = []
         lib.kvs_gemm_group.restype = ctypes.c_int64
         self.gemm_group = lib.kvs_gemm_group()  # output columns per packed group: NR in csrc/gemm.c
+        lib.kvs_gemm_set_prefetch_rows.argtypes = [ctypes.c_int64]
+        lib.kvs_gemm_set_prefetch_rows.restype = None
+        self.prefetch_rows: int | None = None  # set by tune_prefetch (the C default, 6, until then)
         lib.kvs_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_add_rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_rms_norm_f32.restype = lib.kvs_add_rms_norm_f32.restype = None
@@ -183,6 +186,44 @@ class CpuKernels:
                m, weight.n, k)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
+
+    def tune_prefetch(self, weights: list[PackedWeight], rounds: int = 5) -> int:
+        """The fewest rows from which the packed GEMM prefetches its weights, 2 or 6, chosen once per
+        process by timing a pass over `weights` (a model's projections, larger than the caches) at
+        4 rows both ways, alternating; 2 only when it is at least 5% faster (see csrc/gemm.c: it
+        depends on the host). KVSTRATA_GEMM_PREFETCH_ROWS sets it without timing. Same results
+        either way: prefetches change when bytes arrive, not the sums."""
+        if self.prefetch_rows is not None:
+            return self.prefetch_rows
+        env = os.environ.get("KVSTRATA_GEMM_PREFETCH_ROWS")
+        if env is not None:
+            if not env.isdigit() or int(env) < 2:
+                raise ValueError(f"KVSTRATA_GEMM_PREFETCH_ROWS must be an integer >= 2, not {env!r}")
+            chosen = int(env)
+        elif not weights:
+            chosen = 6
+        else:
+            import time
+
+            k = max(w.k for w in weights)
+            x = torch.randn(4, k, generator=torch.Generator().manual_seed(0)).to(weights[0].data.dtype)
+            xs = [x[:, : w.k].contiguous() for w in weights]
+            times: dict[int, list[float]] = {2: [], 6: []}
+            for r in range(rounds + 1):
+                for rows in ((2, 6) if r % 2 else (6, 2)):
+                    self._lib.kvs_gemm_set_prefetch_rows(rows)
+                    t0 = time.perf_counter()
+                    for xi, w in zip(xs, weights):
+                        self.gemm(xi, w, None)
+                    if r:  # the first round only brings everything to the same state
+                        times[rows].append(time.perf_counter() - t0)
+            with_, without = (sorted(times[n])[len(times[n]) // 2] for n in (2, 6))
+            chosen = 2 if with_ < 0.95 * without else 6
+            log.info("packed GEMM at 4 rows: %.1f ms prefetching, %.1f ms without; prefetching from %d rows",
+                     with_ * 1e3, without * 1e3, chosen)
+        self._lib.kvs_gemm_set_prefetch_rows(chosen)
+        self.prefetch_rows = chosen
+        return chosen
 
     def copy_blocks(self, src: torch.Tensor, src_dim: int, src_ids: list[int], dst: torch.Tensor, dst_dim: int,
                     dst_ids: list[int], streaming: bool = False) -> None:

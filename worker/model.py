@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kvstrata.worker.attention import AttentionMetadata, paged_attention, write_kv
 from kvstrata.worker.config import ModelConfig
+from kvstrata.worker.cpu_kernels import PackedWeight
 from kvstrata.worker.linear import gather_packed, select_linear
 from kvstrata.worker.rope import RotaryEmbedding
 from kvstrata.worker.tensor_parallel import TPShard
@@ -100,6 +101,12 @@ class LlamaModel:
             for j, n in enumerate(projections):
                 setattr(layer, n, flat[i * len(projections) + j])
         self.lm_head = flat[-1]
+        panels = [w[0] if isinstance(w, tuple) else w for w in flat[:-1]]  # the projections' packed panels
+        panels = [w for w in panels if isinstance(w, PackedWeight)]
+        if panels:  # once per process: whether few-row products prefetch their weights on this host
+            from kvstrata.worker.cpu_kernels import load_cpu_kernels
+
+            load_cpu_kernels().tune_prefetch(panels)
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                     c.rope_scaling, dtype, device)
         self.scale = c.head_dim**-0.5

@@ -15,11 +15,10 @@
  * Prefetch: every tile of a group also pulls a share of the *next* group into L2, spread evenly
  * over the k steps of all the row tiles of the block. The weight stream is then fetched while the
  * cores compute, instead of in a burst during each group's first tile (25% faster at 32 rows with
- * weights coming from DRAM); with 2-5 rows the next group is left to the hardware prefetcher, and
- * one row has a path of its own (gemv_group). From 6 rows on the current group is also
- * prefetched PF k steps ahead; with 2-5 rows that too is left to the hardware, as for one row
- * (AMD EPYC, Zen 4: a step's weights from memory at 2-5 rows 1.07-1.16x faster without it, in one
- * process; 8 rows 0.97x, 32 rows even). A prefetch never faults, so running past the end is harmless.
+ * weights coming from DRAM), and the current group is prefetched PF k steps ahead. Below
+ * prefetch_min_rows rows (6, or 2 where the engine measured that it pays) both are left to the
+ * hardware prefetcher, and one row has a path of its own (gemv_group). A prefetch never faults, so
+ * running past the end is harmless.
  * bf16 weights are widened in registers; x and y are always float32. Built with
  * -ffp-contract=fast, so that `acc += x * w` is one fused multiply-add.
  */
@@ -137,6 +136,17 @@ static int64_t task_at_rows(int64_t rows, int64_t m, int64_t groups) {
     return (blocks - 1) * groups + (g < groups ? g : groups);
 }
 
+/* The fewest rows for which the tiles prefetch their weights (the current group PF k steps ahead,
+ * and a share of the next group). Whether 2-5 rows gain from it depends on the host: on a Zen 4
+ * EPYC they ran 1.07-1.16x faster without (2 rows 62 -> 74 GB/s, 4 rows 62 -> 70), and on one
+ * 2-core Xeon 3 rows 8-15% faster without; on another Xeon (Granite Rapids-class, 4 MB of L2 a
+ * core) 3-5 rows took 1.14-1.30x longer without (a model's weights from memory at 5 rows: 23.1
+ * against 17.7 ms). From 6 rows on it pays or is even everywhere measured. The engine times both
+ * once per process on the model's own weights (CpuKernels.tune_prefetch) and sets it here. */
+static int64_t prefetch_min_rows = 6;
+
+void kvs_gemm_set_prefetch_rows(int64_t rows) { prefetch_min_rows = rows < 2 ? 2 : rows; }
+
 static inline __attribute__((always_inline)) void gemm(const float *x, const void *wp, const float *bias, float *y,
                                                        int64_t m, int64_t n, int64_t k, int is_bf16) {
     int64_t groups = (n + NR - 1) / NR;
@@ -167,14 +177,12 @@ static inline __attribute__((always_inline)) void gemm(const float *x, const voi
             /* tile t prefetches bytes [t * k * next_step, (t + 1) * k * next_step) of the next group */
             int64_t tiles = (m_end - b * MB + MR - 1) / MR, elem = is_bf16 ? 2 : 4;
             int64_t next_step = (NR * elem + tiles - 1) / tiles;
-            /* not for 2-5 rows: there, as for one row, the next group's prefetch cost more issue
-             * slots than it saved (AMD EPYC: 2 rows 62 -> 74 GB/s without it, 4 rows 62 -> 70; Xeon:
-             * 3-5 rows no faster with it). From 6 rows on it pays on the Xeon (about 5% for a step's
-             * weights from memory, builds interleaved in one process) and is even on the EPYC. */
-            const char *next = g + 1 < groups && m >= 6 ? (const char *)wp + (g + 1) * k * NR * elem : NULL;
+            /* from prefetch_min_rows rows on (see kvs_gemm_set_prefetch_rows) */
+            int ahead = m >= prefetch_min_rows;
+            const char *next = g + 1 < groups && ahead ? (const char *)wp + (g + 1) * k * NR * elem : NULL;
             for (int64_t m0 = b * MB, t = 0; m0 < m_end; m0 += MR, t++) {
                 int64_t mr = m_end - m0 < MR ? m_end - m0 : MR;
-                tile(x + m0 * k, k, wp, g, y + m0 * n + g * NR, n, mr, ncols, is_bf16, m >= 6,
+                tile(x + m0 * k, k, wp, g, y + m0 * n + g * NR, n, mr, ncols, is_bf16, ahead,
                      next ? next + t * k * next_step : NULL, next_step);
             }
             if (bias)
