@@ -95,7 +95,7 @@ def test_linear_backends_agree(backend, rows):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 8, 9, 40])
+@pytest.mark.parametrize("rows", [1, 8, 9, 40, 64, 65])
 def test_bf16_auto_backend_switches_on_row_count(rows):
     lin = select_linear(torch.device("cpu"), torch.bfloat16, "auto")
     gen = torch.Generator().manual_seed(rows)
@@ -522,3 +522,25 @@ def test_gemm_prefetch_threshold_is_tuned_or_set_and_changes_no_bits(monkeypatch
         assert CpuKernels(KERNELS._lib).tune_prefetch(weights, rounds=1) in (2, 6)
     finally:
         KERNELS._lib.kvs_gemm_set_prefetch_rows(KERNELS.prefetch_rows or 6)
+
+
+@needs_kernels
+def test_bf16_products_without_amx_tiles_where_switched_off(tmp_path):
+    """KVSTRATA_AMX=0 keeps bf16 weights in the widening kernel's layout even on a CPU with AMX (a
+    fresh process: the choice is made once, before anything is packed)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "from kvstrata.worker.cpu_kernels import load_cpu_kernels\n"
+        "k = load_cpu_kernels()\n"
+        "assert k.amx is False\n"
+        "g = torch.Generator().manual_seed(3)\n"
+        "x, w = torch.randn(5, 70, generator=g).bfloat16(), torch.randn(100, 70, generator=g).bfloat16()\n"
+        "torch.testing.assert_close(k.gemm(x, k.pack(w), None).float(), F.linear(x.float(), w.float()), "
+        "rtol=3e-2, atol=0.3)\n"
+    )
+    env = {**os.environ, "KVSTRATA_AMX": "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_attention.c", "prefill_attention.c", "gemm.c", "norm.c", "rope.c", "layer.c",
-                         "block_copy.c", "crc32.c", "argmax.c", "bf16_ops.c")]
+                         "block_copy.c", "crc32.c", "argmax.c", "bf16_ops.c", "amx_gemm.c")]
 _HEADERS = [Path(__file__).parent / "csrc" / "vec.h"]  # part of the build's identity, not compiled alone
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-shared", "-fPIC"]
@@ -55,6 +55,16 @@ class CpuKernels:
             fn.restype = None
         lib.kvs_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
         lib.kvs_pack.restype = None
+        lib.kvs_packed_elems.argtypes = [ctypes.c_int64] * 3
+        lib.kvs_packed_elems.restype = ctypes.c_int64
+        lib.kvs_amx_enable.argtypes = []
+        lib.kvs_amx_enable.restype = ctypes.c_int
+        lib.kvs_amx_gemm.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+                                     + [ctypes.c_int64] * 3)
+        lib.kvs_amx_gemm.restype = None
+        # bf16 weights on AMX tiles where the CPU and the kernel allow them (csrc/amx_gemm.c); asked
+        # once, before anything is packed, since the packed layout follows
+        self.amx = os.environ.get("KVSTRATA_AMX", "1") != "0" and bool(lib.kvs_amx_enable())
         lib.kvs_gemm_group.argtypes = []
         lib.kvs_gemm_group.restype = ctypes.c_int64
         self.gemm_group = lib.kvs_gemm_group()  # output columns per packed group: NR in csrc/gemm.c
@@ -167,7 +177,7 @@ class CpuKernels:
             raise ValueError(f"can only pack 2-D float32 or bfloat16 weights, not {weight.dtype} {tuple(weight.shape)}")
         w = weight.contiguous()
         n, k = w.shape
-        data = torch.empty(-(-n // self.gemm_group) * k * self.gemm_group, dtype=w.dtype)
+        data = torch.empty(self._lib.kvs_packed_elems(n, k, w.element_size()), dtype=w.dtype)
         self._lib.kvs_pack(w.data_ptr(), data.data_ptr(), n, k, w.element_size())
         return PackedWeight(data, n, k)
 
@@ -176,6 +186,15 @@ class CpuKernels:
         m, k = x.shape
         if k != weight.k:
             raise ValueError(f"x has {k} columns but the weight expects {weight.k}")
+        if self.amx and weight.data.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
+            # bf16 in and out on the tiles: no widening of x, no rounding pass over y
+            xb = x.contiguous()
+            bf = None if bias is None else bias.float().contiguous()
+            y = torch.empty((m, weight.n), dtype=torch.bfloat16)
+            if m:
+                self._lib.kvs_amx_gemm(xb.data_ptr(), 1, weight.data.data_ptr(), None if bf is None else bf.data_ptr(),
+                                       y.data_ptr(), 1, m, weight.n, k)
+            return y
         # xf and bf stay referenced across the call: C only gets their pointers
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         bf = None if bias is None else bias.float().contiguous()

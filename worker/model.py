@@ -106,7 +106,9 @@ class LlamaModel:
         if panels:  # once per process: whether few-row products prefetch their weights on this host
             from kvstrata.worker.cpu_kernels import load_cpu_kernels
 
-            load_cpu_kernels().tune_prefetch(panels)
+            kernels = load_cpu_kernels()
+            if dtype == torch.float32 or not kernels.amx:  # (bf16 on AMX tiles does not use it)
+                kernels.tune_prefetch(panels)
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                     c.rope_scaling, dtype, device)
         self.scale = c.head_dim**-0.5

@@ -196,15 +196,38 @@ void kvs_gemm_f32(const float *x, const float *wp, const float *bias, float *y, 
     gemm(x, wp, bias, y, m, n, k, 0);
 }
 
+int kvs_amx_active(void);
+int64_t kvs_amx_packed_elems(int64_t n, int64_t k);
+void kvs_amx_pack(const uint16_t *w, uint16_t *wp, int64_t n, int64_t k);
+void kvs_amx_gemm(const void *x, int x_bf16, const uint16_t *wp, const float *bias, void *y, int y_bf16, int64_t m,
+                  int64_t n, int64_t k);
+
+/* bf16 weights: on AMX tiles once the process has them (csrc/amx_gemm.c; packed for them too), else
+ * widened to float32 here. */
 void kvs_gemm_bf16(const float *x, const uint16_t *wp, const float *bias, float *y, int64_t m, int64_t n,
                    int64_t k) {
+    if (kvs_amx_active()) {
+        kvs_amx_gemm(x, 0, wp, bias, y, 0, m, n, k);
+        return;
+    }
     gemm(x, wp, bias, y, m, n, k, 1);
 }
 
 int64_t kvs_gemm_group(void) { return NR; }
 
-/* w [n, k] -> packed groups of NR columns (see the top of this file); elem is 4 (fp32) or 2 (bf16). */
+/* Elements of a packed [n, k] weight (elem 4: float32, 2: bf16). */
+int64_t kvs_packed_elems(int64_t n, int64_t k, int64_t elem) {
+    if (elem == 2 && kvs_amx_active()) return kvs_amx_packed_elems(n, k);
+    return (n + NR - 1) / NR * NR * k;
+}
+
+/* w [n, k] -> packed groups of NR columns (see the top of this file), or AMX tiles for bf16 where
+ * they are in use; elem is 4 (fp32) or 2 (bf16). */
 void kvs_pack(const void *w, void *wp, int64_t n, int64_t k, int64_t elem) {
+    if (elem == 2 && kvs_amx_active()) {
+        kvs_amx_pack(w, wp, n, k);
+        return;
+    }
     int64_t groups = (n + NR - 1) / NR;
     memset(wp, 0, (size_t)(groups * k * NR * elem)); /* columns past n stay zero */
     for (int64_t g = 0; g < groups; g++)

@@ -82,9 +82,18 @@ void kvs_layer_mlp(const LayerWeights *w, const DecodeStep *s) {
     }
 }
 
-/* y [t, n] bf16 = x [t, k] bf16 times packed bf16 weights (+ bias), through the float32 GEMM. */
+int kvs_amx_active(void);
+void kvs_amx_gemm(const void *x, int x_bf16, const uint16_t *wp, const float *bias, void *y, int y_bf16, int64_t m,
+                  int64_t n, int64_t k);
+
+/* y [t, n] bf16 = x [t, k] bf16 times packed bf16 weights (+ bias): on AMX tiles bf16 in and out,
+ * else through the float32 GEMM. */
 static void gemm_bf16_rows(const DecodeStep *s, const uint16_t *x, const void *w, const float *bias, uint16_t *y,
                            int64_t n, int64_t k) {
+    if (kvs_amx_active()) {
+        kvs_amx_gemm(x, 1, w, bias, y, 1, s->tokens, n, k);
+        return;
+    }
     kvs_widen_bf16(x, k, s->wide_in, s->tokens, k);
     kvs_gemm_bf16(s->wide_in, w, bias, s->wide_out, s->tokens, n, k);
     kvs_narrow_bf16(s->wide_out, y, s->tokens * n);
