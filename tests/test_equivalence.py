@@ -136,7 +136,7 @@ def test_fused_decode_layers_give_the_same_bits_as_the_call_by_call_path(llm, pr
 
 def test_fused_bf16_decode_layers_give_the_same_bits_as_the_call_by_call_path(prompt_ids):
     """bf16 runs a layer as one C call while a step's rows go to the packed GEMM (up to 8, or 64 on
-    AMX tiles), with the same HF rounding points as the C kernels the call-by-call path runs; past
+    AMX tiles or bf16 dot products), with the same HF rounding points as the C kernels the call-by-call path runs; past
     that it stays off."""
     import torch
 

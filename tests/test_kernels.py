@@ -525,9 +525,10 @@ def test_gemm_prefetch_threshold_is_tuned_or_set_and_changes_no_bits(monkeypatch
 
 
 @needs_kernels
-def test_bf16_products_without_amx_tiles_where_switched_off(tmp_path):
-    """KVSTRATA_AMX=0 keeps bf16 weights in the widening kernel's layout even on a CPU with AMX (a
-    fresh process: the choice is made once, before anything is packed)."""
+def test_bf16_products_on_the_widening_kernel_where_tiles_and_dot_products_are_switched_off(tmp_path):
+    """KVSTRATA_AMX=0 and KVSTRATA_BF16_DOT=0 keep bf16 weights in the widening kernel's layout even
+    on a CPU with AMX or bf16 dot products: k steps one by one, not rounded up to pairs (a fresh
+    process: the choice is made once, before anything is packed)."""
     import subprocess
     import sys
 
@@ -535,12 +536,38 @@ def test_bf16_products_without_amx_tiles_where_switched_off(tmp_path):
         "import torch, torch.nn.functional as F\n"
         "from kvstrata.worker.cpu_kernels import load_cpu_kernels\n"
         "k = load_cpu_kernels()\n"
-        "assert k.amx is False\n"
+        "assert k.amx is False and k.bf16_dot is False\n"
         "g = torch.Generator().manual_seed(3)\n"
-        "x, w = torch.randn(5, 70, generator=g).bfloat16(), torch.randn(100, 70, generator=g).bfloat16()\n"
-        "torch.testing.assert_close(k.gemm(x, k.pack(w), None).float(), F.linear(x.float(), w.float()), "
+        "x, w = torch.randn(5, 71, generator=g).bfloat16(), torch.randn(100, 71, generator=g).bfloat16()\n"
+        "p = k.pack(w)\n"
+        "assert p.data.numel() == -(-100 // k.gemm_group) * k.gemm_group * 71\n"
+        "torch.testing.assert_close(k.gemm(x, p, None).float(), F.linear(x.float(), w.float()), "
         "rtol=3e-2, atol=0.3)\n"
     )
-    env = {**os.environ, "KVSTRATA_AMX": "0"}
+    env = {**os.environ, "KVSTRATA_AMX": "0", "KVSTRATA_BF16_DOT": "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@needs_kernels
+@pytest.mark.skipif("avx512_bf16" not in _cpu_flags(), reason="the CPU has no AVX512-BF16 dot products")
+def test_bf16_weights_pack_in_pairs_for_the_dot_products_where_the_cpu_has_them():
+    """Without AMX tiles, bf16 weights are packed in k pairs (an odd k padded with a zero) and
+    multiplied with VDPBF16PS: float32 sums of the exact bf16 products, and the bf16-in path gives
+    the same sums, rounded once."""
+    if KERNELS.amx:
+        pytest.skip("AMX tiles take bf16 products here")
+    assert KERNELS.bf16_dot
+    gen = torch.Generator().manual_seed(21)
+    m, n, k = 20, 150, 129
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    packed = KERNELS.pack(w)
+    assert packed.data.numel() == -(-n // KERNELS.gemm_group) * KERNELS.gemm_group * (k + 1)
+    got = KERNELS.gemm(x.float(), packed, None)
+    ref = x.double() @ w.double().T
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+    assert torch.equal(KERNELS.gemm(x, packed, None), got.bfloat16())
+    # float32 x is rounded to bf16 first: the products of x and of its rounding are the same
+    noisy = x.float() + torch.rand(m, k, generator=gen) * x.float().abs() * 2.0 ** -10
+    assert torch.equal(KERNELS.gemm(noisy, packed, None), got)

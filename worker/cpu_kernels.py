@@ -65,6 +65,15 @@ class CpuKernels:
         # bf16 weights on AMX tiles where the CPU and the kernel allow them (csrc/amx_gemm.c); asked
         # once, before anything is packed, since the packed layout follows
         self.amx = os.environ.get("KVSTRATA_AMX", "1") != "0" and bool(lib.kvs_amx_enable())
+        # without tiles, bf16 weights in pairs for the CPU's bf16 dot products where it has them
+        # (csrc/gemm.c); likewise chosen before anything is packed
+        lib.kvs_bf16_dot_enable.argtypes = [ctypes.c_int]
+        lib.kvs_bf16_dot_enable.restype = ctypes.c_int
+        lib.kvs_gemm_bf16x.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
+                                       + [ctypes.c_int64] * 3)
+        lib.kvs_gemm_bf16x.restype = None
+        self.bf16_dot = (not self.amx and os.environ.get("KVSTRATA_BF16_DOT", "1") != "0"
+                         and bool(lib.kvs_bf16_dot_enable(1)))
         lib.kvs_gemm_group.argtypes = []
         lib.kvs_gemm_group.restype = ctypes.c_int64
         self.gemm_group = lib.kvs_gemm_group()  # output columns per packed group: NR in csrc/gemm.c
@@ -195,6 +204,14 @@ class CpuKernels:
                 self._lib.kvs_amx_gemm(xb.data_ptr(), 1, weight.data.data_ptr(), None if bf is None else bf.data_ptr(),
                                        y.data_ptr(), 1, m, weight.n, k)
             return y
+        if self.bf16_dot and weight.data.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
+            xb = x.contiguous()  # the rows go to the dot products as they are
+            bf = None if bias is None else bias.float().contiguous()
+            y = torch.empty((m, weight.n), dtype=torch.float32)
+            if m:
+                self._lib.kvs_gemm_bf16x(xb.data_ptr(), k, weight.data.data_ptr(), None if bf is None else bf.data_ptr(),
+                                         y.data_ptr(), m, weight.n, k)
+            return y.to(torch.bfloat16)
         # xf and bf stay referenced across the call: C only gets their pointers
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         bf = None if bias is None else bias.float().contiguous()

@@ -81,8 +81,9 @@ class PackedLinear:
 class HybridLinear:
     """bf16: packed panels for a few rows (streaming the weights), oneDNN beyond, whose bf16 dot-product
     instructions do twice the FLOPs of the packed kernel's widen-and-FMA. Holds both layouts. Where
-    the packed panels are AMX tiles (csrc/amx_gemm.c), they stay at least as fast as oneDNN up to 64
-    rows (a decode step's products) and oneDNN takes prefill chunks."""
+    the packed panels are AMX tiles (csrc/amx_gemm.c) or bf16 pairs for the same dot products
+    (csrc/gemm.c), they stay at least as fast as oneDNN up to 64 rows (a decode step's products) and
+    oneDNN takes prefill chunks."""
 
     name = "packed+onednn"
 
@@ -165,7 +166,7 @@ def select_linear(device: torch.device, dtype: torch.dtype,
         kernels = load_cpu_kernels()
         if kernels is not None:
             if dtype == torch.bfloat16 and backend == "auto" and onednn_available(device, dtype):
-                return HybridLinear(PackedLinear(kernels), 64 if kernels.amx else 8)
+                return HybridLinear(PackedLinear(kernels), 64 if kernels.amx or kernels.bf16_dot else 8)
             return PackedLinear(kernels)
     if backend == "packed":
         raise ValueError(f"linear_backend 'packed' needs a CPU, fp32 or bf16, and a C compiler "

@@ -83,6 +83,9 @@ void kvs_layer_mlp(const LayerWeights *w, const DecodeStep *s) {
 }
 
 int kvs_amx_active(void);
+int kvs_bf16_dot_active(void);
+void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const float *bias, float *y, int64_t m,
+                    int64_t n, int64_t k);
 void kvs_amx_gemm(const void *x, int x_bf16, const uint16_t *wp, const float *bias, void *y, int y_bf16, int64_t m,
                   int64_t n, int64_t k);
 
@@ -94,8 +97,12 @@ static void gemm_bf16_rows(const DecodeStep *s, const uint16_t *x, const void *w
         kvs_amx_gemm(x, 1, w, bias, y, 1, s->tokens, n, k);
         return;
     }
-    kvs_widen_bf16(x, k, s->wide_in, s->tokens, k);
-    kvs_gemm_bf16(s->wide_in, w, bias, s->wide_out, s->tokens, n, k);
+    if (kvs_bf16_dot_active()) { /* the rows as they are, to the dot products (csrc/gemm.c) */
+        kvs_gemm_bf16x(x, k, w, bias, s->wide_out, s->tokens, n, k);
+    } else {
+        kvs_widen_bf16(x, k, s->wide_in, s->tokens, k);
+        kvs_gemm_bf16(s->wide_in, w, bias, s->wide_out, s->tokens, n, k);
+    }
     kvs_narrow_bf16(s->wide_out, y, s->tokens * n);
 }
 
