@@ -17,8 +17,8 @@
  * cores compute, instead of in a burst during each group's first tile (25% faster at 32 rows with
  * weights coming from DRAM), and the current group is prefetched PF k steps ahead. Below
  * prefetch_min_rows rows (6, or 2 where the engine measured that it pays) both are left to the
- * hardware prefetcher, and one row has a path of its own (gemv_group). A prefetch never faults, so
- * running past the end is harmless.
+ * hardware prefetcher (one row of widened bf16 has a path of its own, gemv_group). A prefetch never
+ * faults, so running past the end is harmless.
  * bf16 weights are widened in registers, x and y float32; or, where the build has AVX512-BF16 and the
  * process has no AMX tiles (csrc/amx_gemm.c), multiplied by dot-product instructions (below). Built
  * with -ffp-contract=fast, so that `acc += x * w` is one fused multiply-add.
@@ -130,22 +130,6 @@ static inline __attribute__((always_inline)) void dot_micro(const uint32_t *x, i
     for (int i = 0; i < mr; i++) memcpy(y + i * ldy, acc[i], (size_t)ncols * sizeof(float));
 }
 
-/* One row on bf16 pairs, the pairs in micro's order; the weights prefetched 32 pairs ahead, as the
- * widening one-row path does 64 k steps ahead. */
-static inline __attribute__((always_inline)) void dot_gemv_group(const uint32_t *x, int64_t kp, const uint16_t *wp,
-                                                                 int64_t g, float *y, int ncols) {
-    __m512 acc[NP];
-    UNROLL for (int j = 0; j < NP; j++) acc[j] = _mm512_setzero_ps();
-    const uint16_t *wg = wp + g * kp * 2 * NR;
-    for (int64_t kk = 0; kk < kp; kk++) {
-        const char *ahead = (const char *)(wg + (kk + 32) * 2 * NR);
-        for (int64_t b = 0; b < 4 * NR; b += 64) __builtin_prefetch(ahead + b);
-        __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[kk]);
-        UNROLL for (int j = 0; j < NP; j++)
-            acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_loadu_si512(wg + (kk * NR + VW * j) * 2));
-    }
-    memcpy(y, acc, (size_t)ncols * sizeof(float));
-}
 #endif
 
 /* mode: 0 float32 weights, 1 bf16 weights widened, 2 bf16 pairs (x: bf16 pairs, k: even) */
@@ -170,14 +154,16 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t k,
 #undef DOT
 }
 
-/* One row of x (a batch-1 decode step): the weights stream once, so this is a read of the packed
- * groups at memory speed. Each thread's groups are contiguous and read in order, which the hardware
- * prefetcher follows; the tile's prefetching of the next group, spread over its k steps, only cost
- * issue slots here (66 GB/s with it, 80-84 without, on a 2-core AMD EPYC with 40 fresh 7 MB
- * weights). bf16 weights, half the bytes per k step, are prefetched 64 k steps ahead. The sums
- * run in the tile's order, one fused multiply-add per k step in one accumulator, so a row's result
- * is the same bits whatever the number of rows beside it: outputs do not depend on how requests
- * were batched. (Four accumulators over alternate k steps read a few % faster.) */
+/* One row of x (a batch-1 decode step) streams the weights once, a read of the packed groups at memory
+ * speed, in the tile without prefetches (below prefetch_min_rows): each thread's groups are
+ * contiguous and read in order, which the hardware prefetcher follows, and the tile's prefetching
+ * only cost issue slots there (66 GB/s with it, 80-84 without, on a 2-core AMD EPYC with 40 fresh
+ * 7 MB weights). Widened bf16 weights, half the bytes per k step, have this path of their own,
+ * prefetching 64 k steps ahead (66 -> 74 GB/s). fp32 and bf16 pairs had one too, until on a Zen 4
+ * EPYC the tile read a step's weights from memory 4-5% faster at one row (fp32 19.8 -> 19.0 ms,
+ * pairs 10.9 -> 10.4 ms, lockstep). Either way a row's sums run in the tile's order, one fused
+ * multiply-add per k step in one accumulator, so its result is the same bits whatever the number of
+ * rows beside it: outputs do not depend on how requests were batched. */
 static inline __attribute__((always_inline)) void gemv_group(const float *x, int64_t k, const void *wp, int64_t g,
                                                              float *y, int ncols, int is_bf16) {
     vf acc[NP];
@@ -222,16 +208,11 @@ void kvs_gemm_set_prefetch_rows(int64_t rows) { prefetch_min_rows = rows < 2 ? 2
 static inline __attribute__((always_inline)) void gemm(const void *x, const void *wp, const float *bias, float *y,
                                                        int64_t m, int64_t n, int64_t k, int mode) {
     int64_t groups = (n + NR - 1) / NR;
-    if (m == 1) {
+    if (m == 1 && mode == 1) { /* widened bf16: one row streams on its own path */
 #pragma omp parallel for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             int ncols = (g + 1) * NR <= n ? NR : (int)(n - g * NR);
-#if HAVE_DOT
-            if (mode == 2)
-                dot_gemv_group(x, k / 2, wp, g, y + g * NR, ncols);
-            else
-#endif
-                gemv_group(x, k, wp, g, y + g * NR, ncols, mode);
+            gemv_group(x, k, wp, g, y + g * NR, ncols, 1);
             if (bias)
                 for (int64_t c = g * NR; c < g * NR + ncols; c++) y[c] += bias[c];
         }
