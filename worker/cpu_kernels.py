@@ -195,31 +195,26 @@ class CpuKernels:
         m, k = x.shape
         if k != weight.k:
             raise ValueError(f"x has {k} columns but the weight expects {weight.k}")
-        if self.amx and weight.data.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
-            # bf16 in and out on the tiles: no widening of x, no rounding pass over y
-            xb = x.contiguous()
-            bf = None if bias is None else bias.float().contiguous()
-            y = torch.empty((m, weight.n), dtype=torch.bfloat16)
-            if m:
-                self._lib.kvs_amx_gemm(xb.data_ptr(), 1, weight.data.data_ptr(), None if bf is None else bf.data_ptr(),
-                                       y.data_ptr(), 1, m, weight.n, k)
-            return y
-        if self.bf16_dot and weight.data.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
-            xb = x.contiguous()  # the rows go to the dot products as they are
-            bf = None if bias is None else bias.float().contiguous()
-            y = torch.empty((m, weight.n), dtype=torch.float32)
-            if m:
-                self._lib.kvs_gemm_bf16x(xb.data_ptr(), k, weight.data.data_ptr(), None if bf is None else bf.data_ptr(),
-                                         y.data_ptr(), m, weight.n, k)
-            return y.to(torch.bfloat16)
-        # xf and bf stay referenced across the call: C only gets their pointers
-        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        # x and bf stay referenced across the call: C only gets their pointers
         bf = None if bias is None else bias.float().contiguous()
+        bias_ptr = None if bf is None else bf.data_ptr()
+        if (self.amx or self.bf16_dot) and weight.data.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
+            # bf16 rows go to the tiles or the dot products as they are, not widened; the tiles also
+            # round y to bf16 themselves
+            xb = x.contiguous()
+            y = torch.empty((m, weight.n), dtype=torch.bfloat16 if self.amx else torch.float32)
+            if m and self.amx:
+                self._lib.kvs_amx_gemm(xb.data_ptr(), 1, weight.data.data_ptr(), bias_ptr, y.data_ptr(), 1, m,
+                                       weight.n, k)
+            elif m:
+                self._lib.kvs_gemm_bf16x(xb.data_ptr(), k, weight.data.data_ptr(), bias_ptr, y.data_ptr(), m,
+                                         weight.n, k)
+            return y.to(torch.bfloat16)
+        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         y = torch.empty((m, weight.n), dtype=torch.float32)
         if m:
             fn = self._lib.kvs_gemm_bf16 if weight.data.dtype == torch.bfloat16 else self._lib.kvs_gemm_f32
-            fn(xf.data_ptr(), weight.data.data_ptr(), None if bf is None else bf.data_ptr(), y.data_ptr(),
-               m, weight.n, k)
+            fn(xf.data_ptr(), weight.data.data_ptr(), bias_ptr, y.data_ptr(), m, weight.n, k)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 

@@ -17,8 +17,8 @@
  * cores compute, instead of in a burst during each group's first tile (25% faster at 32 rows with
  * weights coming from DRAM), and the current group is prefetched PF k steps ahead. Below
  * prefetch_min_rows rows (6, or 2 where the engine measured that it pays) both are left to the
- * hardware prefetcher (one row of widened bf16 has a path of its own, gemv_group). A prefetch never
- * faults, so running past the end is harmless.
+ * hardware prefetcher (one row of widened bf16 has a path of its own, gemv_bf16_group). A prefetch
+ * never faults, so running past the end is harmless.
  * bf16 weights are widened in registers, x and y float32; or, where the build has AVX512-BF16 and the
  * process has no AMX tiles (csrc/amx_gemm.c), multiplied by dot-product instructions (below). Built
  * with -ffp-contract=fast, so that `acc += x * w` is one fused multiply-add.
@@ -164,19 +164,18 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t k,
  * pairs 10.9 -> 10.4 ms, lockstep). Either way a row's sums run in the tile's order, one fused
  * multiply-add per k step in one accumulator, so its result is the same bits whatever the number of
  * rows beside it: outputs do not depend on how requests were batched. */
-static inline __attribute__((always_inline)) void gemv_group(const float *x, int64_t k, const void *wp, int64_t g,
-                                                             float *y, int ncols, int is_bf16) {
+static inline __attribute__((always_inline)) void gemv_bf16_group(const float *x, int64_t k, const uint16_t *wp,
+                                                                  int64_t g, float *y, int ncols) {
     vf acc[NP];
     UNROLL for (int j = 0; j < NP; j++) acc[j] = (vf){0};
     int64_t base = g * k * NR;
     for (int64_t kk = 0; kk < k; kk++) {
         float xv = x[kk];
-        if (is_bf16) { /* half the bytes per k step: the hardware prefetcher alone fell behind (66 -> 74 GB/s) */
-            const char *ahead = (const char *)wp + (base + (kk + 64) * NR) * 2;
-            __builtin_prefetch(ahead);
-            __builtin_prefetch(ahead + 64);
-        }
-        UNROLL for (int j = 0; j < NP; j++) acc[j] += xv * load_weight(wp, base + kk * NR + VW * j, is_bf16);
+        /* half the bytes per k step: the hardware prefetcher alone fell behind (66 -> 74 GB/s) */
+        const char *ahead = (const char *)(wp + base + (kk + 64) * NR);
+        __builtin_prefetch(ahead);
+        __builtin_prefetch(ahead + 64);
+        UNROLL for (int j = 0; j < NP; j++) acc[j] += xv * widen_bf16(wp + base + kk * NR + VW * j);
     }
     memcpy(y, acc, (size_t)ncols * sizeof(float));
 }
@@ -212,7 +211,7 @@ static inline __attribute__((always_inline)) void gemm(const void *x, const void
 #pragma omp parallel for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             int ncols = (g + 1) * NR <= n ? NR : (int)(n - g * NR);
-            gemv_group(x, k, wp, g, y + g * NR, ncols, 1);
+            gemv_bf16_group(x, k, wp, g, y + g * NR, ncols);
             if (bias)
                 for (int64_t c = g * NR; c < g * NR + ncols; c++) y[c] += bias[c];
         }
@@ -240,7 +239,8 @@ static inline __attribute__((always_inline)) void gemm(const void *x, const void
             const char *next = g + 1 < groups && ahead ? (const char *)wp + (g + 1) * k * NR * elem : NULL;
             for (int64_t m0 = b * MB, t = 0; m0 < m_end; m0 += MR, t++) {
                 int64_t mr = m_end - m0 < MR ? m_end - m0 : MR;
-                tile((const char *)x + m0 * k * (mode == 2 ? 2 : 4), k, wp, g, y + m0 * n + g * NR, n, mr, ncols, mode, ahead,
+                const char *rows = (const char *)x + m0 * k * (mode == 2 ? 2 : 4); /* pairs: 2 bytes a k step */
+                tile(rows, k, wp, g, y + m0 * n + g * NR, n, mr, ncols, mode, ahead,
                      next ? next + t * k * next_step : NULL, next_step);
             }
             if (bias)
