@@ -306,8 +306,8 @@ void kvs_gemm_bf16(const float *x, const uint16_t *wp, const float *bias, float 
     }
 }
 
-/* bf16 weights and bf16 x [m, k] (row stride ldx), float32 y: the rows go to the dot products or the
- * tiles as they are; the widening kernel gets them widened. */
+/* bf16 weights and bf16 x [m, k] (row stride ldx), float32 y: the rows go to the dot products as they
+ * are; otherwise they are widened for kvs_gemm_bf16 (callers on AMX tiles call kvs_amx_gemm). */
 void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const float *bias, float *y, int64_t m,
                     int64_t n, int64_t k) {
     if (dot_on) {
