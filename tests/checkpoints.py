@@ -81,3 +81,16 @@ def hf_greedy_logprobs(model, prompt: list[int]) -> tuple[list[int], torch.Tenso
     tokens = out.sequences[0, len(prompt):].tolist()
     logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
     return tokens, logprobs
+
+
+def word_tokenizer(out_dir: Path, vocab: int = VOCAB) -> Path:
+    """A word-level tokenizer over `vocab` ids ("t0", "t1", ...), where no real one is at hand (the
+    GPU machines have no model files); prompts here are token ids anyway."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({}))
+    return out_dir

