@@ -72,15 +72,34 @@ def random_prompts(seed: int) -> list[list[int]]:
 
 
 def hf_greedy_logprobs(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens and per-step log-softmax of the raw logits, [MAX_NEW, V]."""
-    ids = torch.tensor([prompt])
+    """Greedy tokens and per-step log-softmax of the raw logits, [MAX_NEW, V] (on the host), on the
+    model's own device."""
+    ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, eos_token_id=None, pad_token_id=0,
                              return_dict_in_generate=True, output_logits=True)
     tokens = out.sequences[0, len(prompt):].tolist()
     logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
-    return tokens, logprobs
+    return tokens, logprobs.cpu()
+
+
+def assert_matches_hf(llm, hf_model, prompts: list[list[int]]) -> None:
+    """kvstrata's greedy outputs for `prompts`, batched, against HF's one prompt at a time: the same
+    tokens, every log-prob returned within LOGPROB_TOL; then every block back in the pool."""
+    from kvstrata import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3))
+    for prompt, out in zip(prompts, outs):
+        ref_tokens, ref_logprobs = hf_greedy_logprobs(hf_model, prompt)
+        ours = out.outputs[0]
+        assert ours.token_ids == ref_tokens, f"prompt of {len(prompt)} tokens"
+        for step, lp in enumerate(ours.logprobs):
+            for tok, val in lp.items():
+                assert abs(val - float(ref_logprobs[step, tok])) < LOGPROB_TOL, (step, tok)
+    llm.check_integrity()
+    stats = llm.cache_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
 def word_tokenizer(out_dir: Path, vocab: int = VOCAB) -> Path:

@@ -7,26 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoints import LOGPROB_TOL, MAX_NEW, VOCAB, build_checkpoint, random_prompts, word_tokenizer
+from tests.checkpoints import VOCAB, assert_matches_hf, build_checkpoint, random_prompts, word_tokenizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 transformers = pytest.importorskip("transformers")
-
-
-def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    ids = torch.tensor([prompt], device="cuda")
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
-                             min_new_tokens=MAX_NEW, eos_token_id=None, pad_token_id=0,
-                             return_dict_in_generate=True, output_logits=True)
-    return out.sequences[0, len(prompt):].tolist(), torch.log_softmax(torch.stack(out.logits)[:, 0].float(), -1).cpu()
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_tiny_checkpoint_on_cuda_matches_transformers_on_cuda(tmp_path, kv_heads):
     """float32 on both sides (TF32 off, torch's default for matmuls): the same greedy tokens and
     log-probabilities within LOGPROB_TOL, for prompts across and inside KV blocks, batched."""
-    from kvstrata import LLM, SamplingParams
+    from kvstrata import LLM
 
     assert not torch.backends.cuda.matmul.allow_tf32
     tok_dir = word_tokenizer(tmp_path / "tok")
@@ -35,18 +26,7 @@ def test_tiny_checkpoint_on_cuda_matches_transformers_on_cuda(tmp_path, kv_heads
     hf = hf.to("cuda")
     llm = LLM(model=str(tmp_path / "ckpt"), device="cuda", dtype="float32", num_gpu_blocks=64)
     assert llm.engine.runner.kv_cache.is_cuda
-    prompts = random_prompts(kv_heads)
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3))
-    for prompt, out in zip(prompts, outs):
-        ref_tokens, ref_logprobs = _hf_greedy(hf, prompt)
-        ours = out.outputs[0]
-        assert ours.token_ids == ref_tokens, f"prompt of {len(prompt)} tokens"
-        for step, lp in enumerate(ours.logprobs):
-            for tok, val in lp.items():
-                assert abs(val - float(ref_logprobs[step, tok])) < LOGPROB_TOL, (step, tok)
-    llm.check_integrity()
-    stats = llm.cache_stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert_matches_hf(llm, hf, random_prompts(kv_heads))
 
 
 def test_smollm2_shaped_bf16_batch_on_cuda_decodes_and_frees_its_blocks(tmp_path):

@@ -15,11 +15,9 @@ from kvstrata.worker.gguf_loader import _unpermute, converted_dir
 from kvstrata.worker.loader import load_config
 from kvstrata.worker.model_source import resolve_model
 from tests.checkpoints import (
-    LOGPROB_TOL,
-    MAX_NEW,
     VOCAB,
+    assert_matches_hf,
     build_checkpoint,
-    hf_greedy_logprobs,
     llama3_rope,
     random_prompts,
 )
@@ -50,24 +48,12 @@ def smollm2_hf_dir() -> Path:
 
 def _check_against_hf(tmp_path: Path, tokenizer_dir: Path, family: str, kwargs: dict, legacy: bool,
                       seed: int) -> None:
-    from kvstrata import LLM, SamplingParams
+    from kvstrata import LLM
 
     model_dir = tmp_path / "ckpt"
     hf_model = build_checkpoint(model_dir, tokenizer_dir, family, kwargs, legacy, seed)
     llm = LLM(model=str(model_dir), num_gpu_blocks=64, dtype="float32")  # fp32 like the reference, on any device
-    prompts = random_prompts(seed)
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
-    outs = llm.generate(prompts, sp)  # one batch: mixed prefill lengths, then batched decodes
-    for prompt, out in zip(prompts, outs):
-        ref_tokens, ref_logprobs = hf_greedy_logprobs(hf_model, prompt)
-        ours = out.outputs[0]
-        assert ours.token_ids == ref_tokens, f"prompt of {len(prompt)} tokens"
-        for step, lp in enumerate(ours.logprobs):
-            for tok, val in lp.items():
-                assert abs(val - float(ref_logprobs[step, tok])) < LOGPROB_TOL, (step, tok)
-    llm.check_integrity()
-    stats = llm.cache_stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert_matches_hf(llm, hf_model, random_prompts(seed))  # one batch: mixed prefill lengths, then decodes
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
