@@ -80,7 +80,7 @@ def _greedy_on_device(logits: torch.Tensor, params: list) -> SampleResult:
     raw = torch.log_softmax(logits, dim=-1)
     most = max(k or 0 for k in wanted)
     chosen = raw.gather(1, tokens[:, None])[:, 0]
-    vals, ids = raw.topk(most, dim=-1) if most else (raw[:, :0], tokens[:, None][:, :0])
+    vals, ids = raw.topk(most, dim=-1)  # most = 0: empty rows
     token_list, chosen, vals, ids = tokens.tolist(), chosen.tolist(), vals.tolist(), ids.tolist()
     out = []
     for i, k in enumerate(wanted):

@@ -275,13 +275,17 @@ int kvs_bf16_dot_active(void) { return dot_on; }
 
 static inline int64_t even(int64_t k) { return k + (k & 1); }
 
-/* bf16 rows [m, k] (row stride ldx) to the kernel's pairs: k padded to even with a zero; NULL where
- * the rows can be read as they are. The caller frees it. */
-static uint16_t *pairs_of(const uint16_t *x, int64_t ldx, int64_t m, int64_t k) {
-    if (!(k & 1) && ldx == k) return NULL;
+/* Rows [m, k] (row stride ldx) to the kernel's bf16 pairs, k padded to even with a zero: bf16 rows
+ * copied, float32 rows rounded (x_f32). NULL where bf16 rows can be read as they are. The caller
+ * frees it. */
+static uint16_t *pairs_of(const void *x, int x_f32, int64_t ldx, int64_t m, int64_t k) {
+    if (!x_f32 && !(k & 1) && ldx == k) return NULL;
     uint16_t *p = malloc((size_t)(m * even(k)) * sizeof *p);
     for (int64_t i = 0; i < m; i++) {
-        memcpy(p + i * even(k), x + i * ldx, (size_t)k * sizeof *p);
+        if (x_f32)
+            kvs_narrow_bf16((const float *)x + i * ldx, p + i * even(k), k);
+        else
+            memcpy(p + i * even(k), (const uint16_t *)x + i * ldx, (size_t)k * sizeof *p);
         if (k & 1) p[i * even(k) + k] = 0;
     }
     return p;
@@ -294,13 +298,9 @@ void kvs_gemm_bf16(const float *x, const uint16_t *wp, const float *bias, float 
     if (kvs_amx_active()) {
         kvs_amx_gemm(x, 0, wp, bias, y, 0, m, n, k);
     } else if (dot_on) {
-        uint16_t *xb = malloc((size_t)(m * even(k)) * sizeof *xb);
-        for (int64_t i = 0; i < m; i++) {
-            kvs_narrow_bf16(x + i * k, xb + i * even(k), k);
-            if (k & 1) xb[i * even(k) + k] = 0;
-        }
-        gemm(xb, wp, bias, y, m, n, even(k), 2);
-        free(xb);
+        uint16_t *p = pairs_of(x, 1, k, m, k);
+        gemm(p, wp, bias, y, m, n, even(k), 2);
+        free(p);
     } else {
         gemm(x, wp, bias, y, m, n, k, 1);
     }
@@ -311,7 +311,7 @@ void kvs_gemm_bf16(const float *x, const uint16_t *wp, const float *bias, float 
 void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const float *bias, float *y, int64_t m,
                     int64_t n, int64_t k) {
     if (dot_on) {
-        uint16_t *p = pairs_of(x, ldx, m, k);
+        uint16_t *p = pairs_of(x, 0, ldx, m, k);
         gemm(p ? p : x, wp, bias, y, m, n, even(k), 2);
         free(p);
         return;
