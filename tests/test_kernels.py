@@ -572,3 +572,25 @@ def test_bf16_weights_pack_in_pairs_for_the_dot_products_where_the_cpu_has_them(
     # float32 x is rounded to bf16 first: the products of x and of its rounding are the same
     noisy = x.float() + torch.rand(m, k, generator=gen) * x.float().abs() * 2.0 ** -10
     assert torch.equal(KERNELS.gemm(noisy, packed, None), got)
+
+
+@needs_kernels
+def test_bf16_products_of_a_few_rows_ignore_what_earlier_calls_left_behind():
+    """A decode step's x is padded to whole tiles in a buffer kept from call to call (on AMX tiles,
+    csrc/amx_gemm.c): the rows past m hold an earlier call's rows, NaN and inf included, and only
+    the k padding of the live rows is zeroed. A row's sums must not see any of it."""
+    gen = torch.Generator().manual_seed(23)
+    n, k = 96, 100  # k not a whole tile: the live rows' padding must be zero
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    packed = KERNELS.pack(w)
+    x = torch.randn(3, k, generator=gen).bfloat16()
+    clean = KERNELS.gemm(x, packed, None)
+    dirty = torch.randn(40, k + 60, generator=gen).bfloat16()
+    dirty[::3] = float("nan")
+    dirty[1::3] = float("inf")
+    dirty_w = KERNELS.pack(torch.randn(n, k + 60, generator=gen).bfloat16())
+    KERNELS.gemm(dirty, dirty_w, None)  # longer rows: NaN and inf reach this call's k padding too
+    for rows in (1, 2, 3):
+        again = KERNELS.gemm(x[:rows], packed, None)
+        assert torch.equal(again, clean[:rows])
+    torch.testing.assert_close(clean.double(), (x.double() @ w.double().T).bfloat16().double(), rtol=2e-2, atol=2e-2)

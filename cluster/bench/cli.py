@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 from pathlib import Path
 
@@ -88,7 +89,9 @@ def run_roofline_cmd(args: argparse.Namespace) -> int:
             results.append(r)
             print(f"{d:<10}{r.batch:>6}{r.context_len:>9}{r.step_s * 1e3:>10.2f}{r.bound_s * 1e3:>10.2f}"
                   f"{r.bound_kind:>9}{r.ratio:>8.2f}")
+        llm.close()
         del llm
+        gc.collect()
     if args.json:
         args.json.write_text(json.dumps({"peaks": peaks.to_json(), "decode": [r.to_json() for r in results]},
                                         indent=1))

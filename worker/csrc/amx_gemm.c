@@ -36,6 +36,7 @@
 #endif
 
 #define TK 32 /* k steps per tile */
+#define X_BUF_KEEP ((size_t)1 << 21) /* bf16 elements of x a thread keeps between calls (4 MB) */
 
 static int amx_on = 0;
 
@@ -128,6 +129,24 @@ static inline __attribute__((always_inline)) void pair_block(const uint16_t *xp,
         }
     }
 }
+
+/* A zeroed-once buffer of `elems` bf16 for x: the calling thread's own, kept from call to call, for
+ * a decode step's few rows (no allocation and no memset of 32-row blocks a call), or for larger x a
+ * new one that the caller frees (*owned). */
+static uint16_t *x_buffer(size_t elems, int *owned) {
+    static _Thread_local uint16_t *kept = NULL;
+    static _Thread_local size_t kept_elems = 0;
+    *owned = elems > X_BUF_KEEP;
+    if (!*owned && elems <= kept_elems) return kept;
+    uint16_t *buf = aligned_alloc(64, (elems * sizeof(uint16_t) + 63) / 64 * 64);
+    memset(buf, 0, elems * sizeof(uint16_t));
+    if (!*owned) {
+        free(kept);
+        kept = buf;
+        kept_elems = elems;
+    }
+    return buf;
+}
 #endif
 
 /* x [m, k] (bf16 when x_bf16, else float32), y [m, n] (bf16 when y_bf16, else float32), bias [n]
@@ -137,15 +156,18 @@ void kvs_amx_gemm(const void *x, int x_bf16, const uint16_t *wp, const float *bi
 #if HAVE_AMX
     int64_t pairs = (n + 31) / 32, kb_count = (k + TK - 1) / TK, ldx = kb_count * TK;
     int64_t blocks = (m + 31) / 32;
-    /* x as bf16, rows padded to whole 32-row blocks and k to whole tiles, with zeros */
-    uint16_t *xp = aligned_alloc(64, (size_t)(blocks * 32 * ldx) * sizeof(uint16_t));
-    memset(xp, 0, (size_t)(blocks * 32 * ldx) * sizeof(uint16_t));
+    /* x as bf16, rows padded to whole 32-row blocks and k to whole tiles. Only the k padding of rows
+     * below m must be zero (it meets the weights' zero padding); rows past m hold numbers from an
+     * earlier call at most, and a tile row's sums come from its own row of x alone and are dropped */
+    int owned;
+    uint16_t *xp = x_buffer((size_t)(blocks * 32 * ldx), &owned);
     for (int64_t i = 0; i < m; i++) {
         if (x_bf16) {
             memcpy(xp + i * ldx, (const uint16_t *)x + i * k, (size_t)k * sizeof(uint16_t));
         } else {
             for (int64_t kk = 0; kk < k; kk++) xp[i * ldx + kk] = bf16_bits(((const float *)x)[i * k + kk]);
         }
+        memset(xp + i * ldx + k, 0, (size_t)(ldx - k) * sizeof(uint16_t));
     }
 #pragma omp parallel if (pairs > 1)
     {
@@ -168,7 +190,7 @@ void kvs_amx_gemm(const void *x, int x_bf16, const uint16_t *wp, const float *bi
         }
         _tile_release();
     }
-    free(xp);
+    if (owned) free(xp);
 #else
     (void)x, (void)x_bf16, (void)wp, (void)bias, (void)y, (void)y_bf16, (void)m, (void)n, (void)k;
 #endif
