@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvstrata.cluster.bench.throughput import RunResult, ThroughputReport, percentile, run_kvstrata
+from kvstrata.cluster.bench.throughput import RunResult, StepProfile, ThroughputReport, percentile, run_kvstrata
 from kvstrata.cluster.bench.workloads import WORKLOADS
 
 
@@ -30,10 +30,35 @@ def test_report_ratio_uses_the_faster_baseline():
     assert j["kvstrata"]["total_tokens_per_s"] == 250.0
 
 
+def test_step_profile_splits_prompt_steps_from_decode_steps_by_rows():
+    steps = [(0.5, 0, 300), (0.2, 3, 40),  # prompt chunks, one with decodes beside it
+             (0.010, 1, 0), (0.012, 1, 0), (0.030, 1, 0),  # 1 row
+             (0.020, 2, 0), (0.022, 4, 0),  # 2-4
+             (0.040, 17, 0), (0.050, 32, 0), (0.060, 33, 0), (0.080, 100, 0)]
+    p = StepProfile(steps).summary()
+    assert p["steps"] == 11 and p["seconds"] == pytest.approx(sum(t for t, _, _ in steps), abs=1e-3)
+    assert p["with_prompt_tokens"] == {"steps": 2, "seconds": 0.7, "prompt_tokens": 340}
+    by = {b["rows"]: b for b in p["decode_only"]}
+    assert list(by) == ["1", "2-4", "17-32", "33-64", "65+"]  # empty buckets are left out
+    assert (by["1"]["steps"], by["1"]["seconds"], by["1"]["ms_per_step_p50"]) == (3, 0.052, 12.0)
+    assert (by["2-4"]["steps"], by["2-4"]["ms_per_step_p50"]) == (2, 21.0)
+    assert (by["17-32"]["steps"], by["33-64"]["steps"], by["65+"]["steps"]) == (2, 1, 1)
+    assert StepProfile([]).summary()["decode_only"] == []
+
+
 def test_run_kvstrata_counts_tokens_and_prefix_hits(llm):
     llm.reset_prefix_cache()
     wl = WORKLOADS["shared-prefix"](num_requests=8, seed=0)
+    hit0 = llm.engine.kv.num_prompt_tokens_hit
     res = run_kvstrata(llm, wl)
+    hit = llm.engine.kv.num_prompt_tokens_hit - hit0
+    # every prompt token not served by the cache was computed in a step with prompt tokens, and
+    # every output token after a request's first came from a decode row
+    profile = res.step_profile.summary()
+    decode_rows = sum(t[1] for t in res.step_profile.steps)
+    assert profile["with_prompt_tokens"]["prompt_tokens"] == wl.num_prompt_tokens - hit
+    assert decode_rows == res.output_tokens - res.num_requests
+    assert sum(b["steps"] for b in profile["decode_only"]) + profile["with_prompt_tokens"]["steps"] == profile["steps"]
     assert res.num_requests == 8
     assert res.output_tokens == sum(r.max_tokens for r in wl.requests)
     assert len(res.latencies_s) == 8 and max(res.latencies_s) <= res.wall_s
@@ -56,6 +81,9 @@ def test_bench_throughput_cli_tiny(tmp_path):
     assert report["ratio_output_tokens_per_s"] > 0
     assert report["bound"] is None and report["bound_ratio"] is None
     assert "kvstrata /" in r.stdout
+    steps = report["kvstrata"]["step_profile"]
+    assert steps["with_prompt_tokens"]["prompt_tokens"] == report["kvstrata"]["prompt_tokens"]  # nothing cached
+    assert "decode-only:" in r.stdout and "kvstrata steps:" in r.stdout
 
 
 def test_plots_are_written_as_png(tmp_path):

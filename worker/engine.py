@@ -39,6 +39,10 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_requests_finished: int = 0
+    # the last step's batch: rows that decoded their one next token, and every other token it
+    # computed (prompt chunks, and tokens recomputed after a preemption)
+    last_step_decodes: int = 0
+    last_step_prefill_tokens: int = 0
 
 
 class LLMEngine:
@@ -203,7 +207,9 @@ class LLMEngine:
         batch = out.batch
         rows: list[int] = []
         to_sample: list[Request] = []
+        num_decodes = 0
         for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            num_decodes += n == 1 and req.num_computed_tokens >= req.num_prompt_tokens
             if req.num_computed_tokens + n == req.num_tokens:
                 rows.append(i)
                 to_sample.append(req)
@@ -216,6 +222,8 @@ class LLMEngine:
             req.num_computed_tokens += n
         self.evictor.after_step(batch)  # before forks, so that samples share the evicted cache
         self.stats.num_steps += 1
+        self.stats.last_step_decodes = num_decodes
+        self.stats.last_step_prefill_tokens = sum(batch.num_new_tokens) - num_decodes
         result = self.sampler.sample(logits, to_sample) if to_sample else None
         if self._num_teachers and result is not None:
             self._force(logits, to_sample, result.token_ids)

@@ -17,6 +17,38 @@ from typing import Any, Callable
 from kvstrata.cluster.bench.workloads import Workload
 
 
+DECODE_ROW_BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, None))
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Where a run's engine steps went: the steps that computed prompt tokens (prefill chunks, with
+    whatever decodes ran beside them), and the decode-only steps by how many rows they decoded. A
+    decode-only step of a few rows reads every weight for a few tokens, so a long tail of them is
+    memory-bound however fast each step is; this is what separates a workload's wall time from a
+    bound that assumes every weight read overlaps with useful compute."""
+
+    steps: list[tuple[float, int, int]] = field(repr=False)  # (seconds, decode rows, prefill tokens)
+
+    def summary(self) -> dict[str, Any]:
+        prefill = [s for s in self.steps if s[2] > 0]
+        decode = [s for s in self.steps if s[2] == 0]
+        buckets = []
+        for lo, hi in DECODE_ROW_BUCKETS:
+            times = [t for t, rows, _ in decode if rows >= lo and (hi is None or rows <= hi)]
+            if times:
+                label = str(lo) if lo == hi else f"{lo}-{hi}" if hi else f"{lo}+"
+                buckets.append({"rows": label, "steps": len(times), "seconds": round(sum(times), 3),
+                                "ms_per_step_p50": round(percentile(times, 50) * 1e3, 2)})
+        return {
+            "steps": len(self.steps),
+            "seconds": round(sum(t for t, _, _ in self.steps), 3),
+            "with_prompt_tokens": {"steps": len(prefill), "seconds": round(sum(t for t, _, _ in prefill), 3),
+                                   "prompt_tokens": sum(p for _, _, p in prefill)},
+            "decode_only": buckets,
+        }
+
+
 @dataclass(frozen=True)
 class RunResult:
     engine: str
@@ -26,6 +58,7 @@ class RunResult:
     output_tokens: int
     latencies_s: list[float] = field(repr=False)
     prefix_hit_rate: float | None = None
+    step_profile: StepProfile | None = None  # kvstrata's own steps
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -51,6 +84,7 @@ class RunResult:
             "latency_p90_s": round(self.latency_percentile(90), 3),
             "latency_p99_s": round(self.latency_percentile(99), 3),
             "prefix_hit_rate": None if self.prefix_hit_rate is None else round(self.prefix_hit_rate, 4),
+            **({} if self.step_profile is None else {"step_profile": self.step_profile.summary()}),
         }
 
 
@@ -97,9 +131,15 @@ def run_kvstrata(llm: Any, workload: Workload, clock: Callable[[], float] = time
     start = clock()
     submit_greedy(engine, workload, "bench")
     latencies: list[float] = []
+    steps: list[tuple[float, int, int]] = []
     output_tokens = 0
+    stats = engine.stats
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        num_steps, t0 = stats.num_steps, clock()
+        finished = engine.step()
+        if stats.num_steps > num_steps:  # a batch ran (not a step spent waiting for tier loads)
+            steps.append((clock() - t0, stats.last_step_decodes, stats.last_step_prefill_tokens))
+        for out in finished:
             latencies.append(clock() - start)
             output_tokens += len(out.outputs[0].token_ids)
             progress.advance()
@@ -107,7 +147,7 @@ def run_kvstrata(llm: Any, workload: Workload, clock: Callable[[], float] = time
     queried = engine.kv.num_prompt_tokens_queried - queried0
     hit = engine.kv.num_prompt_tokens_hit - hit0
     return RunResult("kvstrata", wall, len(workload.requests), workload.num_prompt_tokens, output_tokens,
-                     latencies, hit / queried if queried else 0.0)
+                     latencies, hit / queried if queried else 0.0, StepProfile(steps))
 
 
 # Every engine gets one small untimed request first, so one-time costs (kernel builds and caches,
@@ -257,7 +297,18 @@ def format_report(report: ThroughputReport) -> str:
     if report.bound is not None:
         lines.append(f"roofline bound: {report.bound.seconds:.2f} s ({report.bound.kind}); "
                      f"kvstrata wall {report.kvstrata.wall_s:.2f} s = {report.bound_ratio:.2f}x the bound")
+    if report.kvstrata.step_profile is not None:
+        lines += format_step_profile(report.kvstrata.step_profile.summary())
     return "\n".join(lines)
+
+
+def format_step_profile(p: dict[str, Any]) -> list[str]:
+    pre = p["with_prompt_tokens"]
+    cells = [f"{b['rows']} rows: {b['steps']} steps, {b['seconds']:.2f} s ({b['ms_per_step_p50']:.1f} ms p50)"
+             for b in p["decode_only"]]
+    return [f"kvstrata steps: {p['steps']} in {p['seconds']:.2f} s; with prompt tokens: {pre['steps']} steps, "
+            f"{pre['seconds']:.2f} s ({pre['prompt_tokens']} tokens)",
+            "  decode-only: " + ("; ".join(cells) if cells else "none")]
 
 
 @dataclass(frozen=True)
