@@ -1121,3 +1121,37 @@ def test_a_staged_slot_is_the_same_bytes_with_the_c_crc_or_zlib(monkeypatch, fas
     slot[header.payload_offset + 100] ^= 1
     with pytest.raises(ValueError, match="checksum"):
         slot_codec.unstage(slot, b"h" * 16, lambda h: True, torch.float32, tuple(block.shape))
+
+
+def _thread_slice_ns() -> int | None:
+    """The calling thread's scheduler slice, where the kernel shows one (Linux 6.6 on)."""
+    try:
+        lines = Path(f"/proc/self/task/{threading.get_native_id()}/sched").read_text().splitlines()
+    except OSError:
+        return None
+    found = [ln.split(":")[1] for ln in lines if ln.split(":")[0].strip() == "se.slice"]
+    return int(float(found[0])) if found else None
+
+
+def test_io_threads_ask_for_a_short_scheduler_slice(tmp_path, monkeypatch):
+    """Each IO thread asks for a 100 us slice (disk_io.request_short_slice), so that it gets a core
+    as soon as its IO ends; 0 asks for none; a bad value names the variable. The caller's own
+    thread is left as it was."""
+    main_slice = _thread_slice_ns()
+    with tier_at(tmp_path / "a") as t:
+        assert t.put(b"h" * 8, None, block(1)).result() is True
+        io_slice = t._executor.submit(_thread_slice_ns).result()
+        if main_slice is None or t.stats()["short_slice_io_threads"] == 0:
+            pytest.skip("this kernel shows no slice or takes no slice request")
+        assert io_slice == 100_000 and t.io_slice_us == 100
+        assert t.stats()["short_slice_io_threads"] >= 1
+    assert _thread_slice_ns() == main_slice
+    monkeypatch.setenv("KVSTRATA_NVME_IO_SLICE_US", "0")
+    with tier_at(tmp_path / "b") as t:
+        assert t.put(b"h" * 8, None, block(1)).result() is True
+        assert t._executor.submit(_thread_slice_ns).result() == main_slice
+        assert t.stats()["short_slice_io_threads"] == 0
+    for bad in ("50", "abc", "-1", "200000"):
+        monkeypatch.setenv("KVSTRATA_NVME_IO_SLICE_US", bad)
+        with pytest.raises(ValueError, match="KVSTRATA_NVME_IO_SLICE_US"):
+            tier_at(tmp_path / "c")

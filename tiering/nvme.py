@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from kvstrata.tiering.block_file import MAX_HASH_BYTES, MAX_HEADER_BYTES, max_head_len
-from kvstrata.tiering.disk_io import O_DIRECT, BusyClock, supports_direct_io
+from kvstrata.tiering.disk_io import O_DIRECT, BusyClock, io_slice_us, request_short_slice, supports_direct_io
 from kvstrata.tiering.nvme_index import BlockIndex, IndexEntry
 from kvstrata.tiering.slab import SLAB_BYTES, SlabFiles, SlabGeometry
 from kvstrata.tiering.slab_scan import check_disk, rebuild
@@ -146,6 +146,8 @@ class NvmeTier:
         self._read_clock = BusyClock()
         self._write_clock = BusyClock()
         self._closed = False
+        self.io_slice_us = io_slice_us()
+        self._short_slice_threads = 0
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock_fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -162,7 +164,8 @@ class NvmeTier:
             self._read_buffers = ReadBuffers(self.geometry.slot_bytes, max(8, READ_BUFFER_BYTES // self.geometry.slot_bytes))
             self._io = SlotIO(self._slabs, layout_tag, dtype, shape, self.payload_bytes,
                               max(1, RUN_BYTES // self.geometry.slot_bytes), self._read_buffers)
-            self._executor = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kvstrata-nvme")
+            self._executor = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kvstrata-nvme",
+                                                initializer=self._start_io_thread)
             try:
                 self._open()
             except BaseException:
@@ -208,7 +211,8 @@ class NvmeTier:
             return {"blocks": len(self._index), "used_bytes": self.used_bytes,
                     "capacity_bytes": self.capacity_bytes, "pending_writes": len(self._pending),
                     "direct_io": self.direct_io, "slots": self.geometry.num_slots,
-                    "slab_files": self._slabs.num_files, **asdict(self._counters),
+                    "slab_files": self._slabs.num_files, "short_slice_io_threads": self._short_slice_threads,
+                    **asdict(self._counters),
                     "read_busy_seconds": self._read_clock.seconds,
                     "write_busy_seconds": self._write_clock.seconds}
 
@@ -513,6 +517,13 @@ class NvmeTier:
             self._counters.write_failures += failed
             self._slots.erased(slot)
             self._erased.notify_all()
+
+    def _start_io_thread(self) -> None:
+        """Each IO thread, as it starts: a short scheduler slice, so that it runs as soon as its IO
+        ends even while forward passes hold every core (disk_io.request_short_slice)."""
+        if self.io_slice_us and request_short_slice(self.io_slice_us):
+            with self._lock:
+                self._short_slice_threads += 1
 
     # -- open and checks ---------------------------------------------------------------------
     def _open(self) -> None:
