@@ -82,10 +82,10 @@ def request_short_slice(slice_us: int) -> bool:
 
     An IO thread sleeps in the disk nearly all the time, then needs a core for a moment to finish
     the IO and start the next. Linux's EEVDF scheduler (6.6 on) lets a running thread finish its
-    slice (1.4 ms on the 2-core VM measured) before a woken one of equal weight takes the core, unless the woken one
-    asked for a shorter slice (6.12 on): with both cores in a forward pass, a write the disk had
-    finished stayed in flight for milliseconds. Kernels that do not know the request, or systems
-    without the call, leave the thread as it was: False then.
+    slice (1.4 ms on the 2-core VM measured) before a woken one of equal weight takes the core,
+    unless the woken one asked for a shorter slice (6.12 on): with both cores in a forward pass, a
+    write the disk had finished stayed in flight for milliseconds. Kernels that do not know the
+    request, or systems without the call, leave the thread as it was: False then.
     """
     number = _SCHED_SETATTR.get(platform.machine())
     if number is None or not sys.platform.startswith("linux"):
