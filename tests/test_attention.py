@@ -139,23 +139,70 @@ def test_kernel_matches_torch_decode(dtype, batch, h, h_kv, d, block):
 
 @pytest.mark.skipif(KERNELS is None, reason="no C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("h,h_kv,d,block", [(9, 3, 64, 16), (16, 2, 64, 16), (6, 2, 128, 8), (4, 1, 40, 16)])
-def test_kernel_gives_a_sequence_the_same_bits_alone_and_in_a_large_batch(dtype, h, h_kv, d, block):
-    """A large batch runs one task per sequence, its KV heads taking turns block by block; a lone
-    sequence runs one task per (sequence, KV head). Each head's blocks go in the same order either
-    way, so a sequence's output must not depend on which."""
+@pytest.mark.parametrize("h,h_kv,d,block,width", [
+    (9, 3, 64, 16, 9), (16, 2, 64, 16, 9), (6, 2, 128, 8, 9), (4, 1, 40, 16, 9),
+    (9, 3, 64, 16, 40),  # up to 640 tokens: two score chunks
+    (64, 8, 64, 16, 20),  # chunks of 128 tokens, sized by the model's heads, not the task's
+])
+def test_kernel_gives_a_sequence_the_same_bits_alone_and_in_a_large_batch(dtype, h, h_kv, d, block, width):
+    """A large batch runs one task per sequence, all its KV heads together; a lone sequence runs one
+    task per (sequence, KV head). Each query's sums run in the same order either way (chunks of the
+    same length included), so a sequence's output must not depend on which."""
     gen = torch.Generator().manual_seed(h * 100 + d)
     batch, num_blocks = 40, 96
     k_cache = (torch.randn(num_blocks, block, h_kv, d, generator=gen) * 3).to(dtype)
     v_cache = torch.randn(num_blocks, block, h_kv, d, generator=gen).to(dtype)
-    seq_lens = torch.randint(1, 9 * block, (batch,), generator=gen)
-    seq_lens[:3] = torch.tensor([1, block, 9 * block])  # one token, one full block, the widest table
-    table = torch.randint(0, num_blocks, (batch, 9), generator=gen)
+    seq_lens = torch.randint(1, width * block, (batch,), generator=gen)
+    seq_lens[:3] = torch.tensor([1, block, width * block])  # one token, one full block, the widest table
+    table = torch.randint(0, num_blocks, (batch, width), generator=gen)
     q = (torch.randn(batch, h, d, generator=gen) * 3).to(dtype)
     together = KERNELS.paged_decode(q, k_cache, v_cache, table, seq_lens, d ** -0.5)
     for b in range(batch):
         alone = KERNELS.paged_decode(q[b : b + 1], k_cache, v_cache, table[b : b + 1], seq_lens[b : b + 1], d ** -0.5)
         assert torch.equal(alone[0], together[b]), f"sequence {b} ({int(seq_lens[b])} tokens)"
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,h_kv,d,block,max_len", [
+    (9, 3, 64, 16, 1300),  # SmolLM2's heads: chunks of 512 tokens, the last one partial
+    (64, 8, 64, 16, 400),  # many heads: chunks of 128 tokens, 8 queries per KV head
+    (32, 4, 128, 24, 700),  # head_dim 128, blocks of 24: chunks of 240 tokens
+])
+def test_kernel_matches_torch_decode_over_several_score_chunks(dtype, h, h_kv, d, block, max_len):
+    """fp32 and bf16 rows score a chunk of blocks, then take one softmax step for it: contexts that
+    span several chunks carry the running maximum and sums from one to the next. Both task shapes:
+    a lone sequence per (sequence, KV head), a batch of 12 a sequence per task."""
+    gen = torch.Generator().manual_seed(h * 10 + d)
+    width = -(-max_len // block)
+    num_blocks = 12 * width + 4
+    k_cache = (torch.randn(num_blocks, block, h_kv, d, generator=gen) * 3).to(dtype)
+    v_cache = torch.randn(num_blocks, block, h_kv, d, generator=gen).to(dtype)
+    for batch in (1, 12):
+        seq_lens = torch.randint(max_len // 2, max_len + 1, (batch,), generator=gen)
+        table = torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width)
+        q = (torch.randn(batch, h, d, generator=gen) * 3).to(dtype)
+        got = KERNELS.paged_decode(q, k_cache, v_cache, table, seq_lens, d ** -0.5)
+        ref = paged_attention(q.float(), k_cache.float(), v_cache.float(),
+                              _decode_meta(table, seq_lens, "torch", block), d ** -0.5)
+        tol = 3e-5 if dtype == torch.float32 else 2e-2  # sums of up to 1300 terms
+        torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+@pytest.mark.parametrize("big_at", [5, 550])  # in the first chunk of 512 tokens, or in the second
+def test_kernel_softmax_stays_exact_when_the_maximum_moves_between_chunks(big_at):
+    """One key scores 1000 and the rest 0: the output is that token's value row, whether the large
+    score comes first (later chunks add e^-1000) or last (the earlier chunk's sums scaled to zero)."""
+    d, n = 64, 600
+    blocks = -(-n // 16)
+    k_cache = torch.zeros(blocks, 16, 1, d)
+    v_cache = torch.randn(blocks, 16, 1, d, generator=torch.Generator().manual_seed(big_at))
+    k_cache.view(-1, d)[big_at, 0] = 1000.0
+    q = torch.zeros(1, 1, d)
+    q[0, 0, 0] = 1.0
+    out = KERNELS.paged_decode(q, k_cache, v_cache, torch.arange(blocks)[None], torch.tensor([n]), 1.0)
+    torch.testing.assert_close(out[0, 0], v_cache.view(-1, d)[big_at])
 
 
 @pytest.mark.skipif(KERNELS is None, reason="no C compiler")

@@ -32,7 +32,7 @@ from kvstrata.worker.gguf_loader import cache_root
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("paged_attention.c", "prefill_attention.c", "gemm.c", "norm.c", "rope.c", "layer.c",
+            for name in ("paged_attention.c", "dense_decode.c", "prefill_attention.c", "gemm.c", "norm.c", "rope.c", "layer.c",
                          "block_copy.c", "crc32.c", "argmax.c", "bf16_ops.c", "amx_gemm.c")]
 _HEADERS = [Path(__file__).parent / "csrc" / "vec.h"]  # part of the build's identity, not compiled alone
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds

@@ -4,7 +4,8 @@
  * share the KV head together, with an online softmax, so nothing is gathered or copied and every K/V
  * byte is read once per step from memory. Tasks are whole sequences, or (sequence, KV head) pairs
  * when the batch is small (decode_all). Queries live in registers; scores of VW tokens are reduced
- * together (transpose_sumv).
+ * together (transpose_sumv). float32 and bf16 rows of head size 64 or 128 go to the two-pass kernel
+ * of dense_decode.c instead (the same tasks); this one serves the coded rows and other head sizes.
  *
  *   k_cache, v_cache: [num_blocks, block_size, Hkv, row]: fp32 rows of D, bf16 rows of D stored as
  *                     uint16, byte-code rows: D one-byte codes (int8 or fp8, decoded through a
@@ -47,46 +48,6 @@ static const v16i lane_ids16 = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
 static inline __attribute__((always_inline)) v16f select16(v16i mask, v16f a, v16f b) {
     v16i r = (mask & (v16i)a) | (~mask & (v16i)b);
     return (v16f)r;
-}
-
-static inline __attribute__((always_inline)) float hsumv(vf v) {
-    float t[VW];
-    memcpy(t, &v, sizeof t);
-    float a = 0.0f;
-    for (int i = 0; i < VW; i++) a += t[i];
-    return a;
-}
-
-static inline __attribute__((always_inline)) float hmaxv(vf v) {
-    float t[VW];
-    memcpy(t, &v, sizeof t);
-    float a = t[0];
-    for (int i = 1; i < VW; i++) a = t[i] > a ? t[i] : a;
-    return a;
-}
-
-/* sums[j] = the lane sum of p[j], for VW vectors at once: log2(VW) rounds of pairwise lane sums,
- * each round halving the vectors (45 vector operations for 16, against about 110 for 16 separate
- * tree sums). */
-static inline __attribute__((always_inline)) vf transpose_sumv(const vf *p) {
-#if VW == 16
-#define PAIRS(a, b)                                                                                                 \
-    (__builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +                  \
-     __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31))
-    vf r1[8], r2[4], r3[2];
-    UNROLL for (int i = 0; i < 8; i++) r1[i] = PAIRS(p[2 * i], p[2 * i + 1]);
-    UNROLL for (int i = 0; i < 4; i++) r2[i] = PAIRS(r1[2 * i], r1[2 * i + 1]);
-    UNROLL for (int i = 0; i < 2; i++) r3[i] = PAIRS(r2[2 * i], r2[2 * i + 1]);
-    return PAIRS(r3[0], r3[1]);
-#else
-#define PAIRS(a, b) \
-    (__builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15))
-    vf r2[4], r3[2];
-    UNROLL for (int i = 0; i < 4; i++) r2[i] = PAIRS(p[2 * i], p[2 * i + 1]);
-    UNROLL for (int i = 0; i < 2; i++) r3[i] = PAIRS(r2[2 * i], r2[2 * i + 1]);
-    return PAIRS(r3[0], r3[1]);
-#endif
-#undef PAIRS
 }
 
 enum { ROW_F32 = 0, ROW_BF16 = 1, ROW_CODES = 2, ROW_INT4 = 3 };
@@ -268,13 +229,8 @@ static inline __attribute__((always_inline)) void decode_queries(
                     }
                     int64_t row = (block * bs + j0 + j) * num_kv_heads + kv_head;
                     vf kv[128 / VW];
-                    if (f->kind == ROW_BF16) { /* widened in registers, not through buf */
-                        const uint16_t *kr = (const uint16_t *)k_cache + row * d;
-                        UNROLL for (int i = 0; i < DV; i++) kv[i] = widen_bf16(kr + VW * i);
-                    } else {
-                        const float *kr = load_row(k_cache, row, d, f, key_params, buf);
-                        UNROLL for (int i = 0; i < DV; i++) kv[i] = loadv(kr + VW * i);
-                    }
+                    const float *kr = load_row(k_cache, row, d, f, key_params, buf);
+                    UNROLL for (int i = 0; i < DV; i++) kv[i] = loadv(kr + VW * i);
                     UNROLL for (int g = 0; g < NQ; g++) {
                         vf t = qv[g][0] * kv[0];
                         UNROLL for (int i = 1; i < DV; i++) t += qv[g][i] * kv[i];
@@ -315,37 +271,14 @@ static inline __attribute__((always_inline)) void decode_queries(
             l[g] = l[g] * corr + hsumv(vsum);
         }
         /* weighted values */
-        if (f->kind == ROW_F32) {
-            /* one query at a time keeps its DV accumulators in registers and reads the block's value
-             * rows (in L1 after the first query) as memory operands. AVX2's 16 registers cannot
-             * hold NQ x DV accumulators, and with AVX-512 GCC kept them on the stack all the same
-             * (a load and a store around every FMA): this pass made the kernel 5-9% faster there
-             * with K/V in cache, and left it as fast from memory */
-            UNROLL for (int g = 0; g < NQ; g++) {
-                vf a[128 / VW];
-                UNROLL for (int i = 0; i < DV; i++) a[i] = loadv(acc + g * d + VW * i);
-                for (int64_t j = 0; j < n; j++) {
-                    const float *vr = (const float *)v_cache + ((block * bs + j) * num_kv_heads + kv_head) * d;
-                    float p = s[g * bs16 + j];
-                    UNROLL for (int i = 0; i < DV; i++) a[i] += p * loadv(vr + VW * i);
-                }
-                UNROLL for (int i = 0; i < DV; i++) memcpy(acc + g * d + VW * i, &a[i], sizeof(vf));
-            }
-            continue;
-        }
         vf av[QMAX][128 / VW];
         UNROLL for (int g = 0; g < NQ; g++)
             UNROLL for (int i = 0; i < DV; i++) av[g][i] = loadv(acc + g * d + VW * i);
         for (int64_t j = 0; j < n; j++) {
             int64_t row = (block * bs + j) * num_kv_heads + kv_head;
             vf vv[128 / VW];
-            if (f->kind == ROW_BF16) {
-                const uint16_t *vr = (const uint16_t *)v_cache + row * d;
-                UNROLL for (int i = 0; i < DV; i++) vv[i] = widen_bf16(vr + VW * i);
-            } else {
-                const float *vr = load_row(v_cache, row, d, f, NULL, buf);
-                UNROLL for (int i = 0; i < DV; i++) vv[i] = loadv(vr + VW * i);
-            }
+            const float *vr = load_row(v_cache, row, d, f, NULL, buf);
+            UNROLL for (int i = 0; i < DV; i++) vv[i] = loadv(vr + VW * i);
             UNROLL for (int g = 0; g < NQ; g++) {
                 float p = s[g * bs16 + j];
                 UNROLL for (int i = 0; i < DV; i++) av[g][i] += p * vv[i];
@@ -454,6 +387,11 @@ static inline __attribute__((always_inline)) void decode_head(
  * order, so the output is the same bits. */
 #define SEQUENCES_PER_THREAD 4
 
+void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                      const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width, float scale,
+                      int bf16, int by_sequence);
+
 static void decode_all(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                        const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
                        int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width, float scale,
@@ -463,6 +401,11 @@ static void decode_all(const float *q, int64_t q_stride, const void *k_cache, co
     size_t work_floats = (size_t)(QMAX * 16 * 16 + QMAX * bs16 + 5 * d + bs16);
     int64_t head_state = (group + query_chunk(d) - 1) / query_chunk(d) * chunk_state_floats(d);
     int by_sequence = batch >= SEQUENCES_PER_THREAD * omp_get_max_threads();
+    if ((f->kind == ROW_F32 || f->kind == ROW_BF16) && (d == 64 || d == 128)) {
+        kvs_dense_decode(q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, batch, num_heads, num_kv_heads, d,
+                         bs, width, scale, f->kind == ROW_BF16, by_sequence);
+        return;
+    }
     int64_t tasks = by_sequence ? batch : batch * num_kv_heads;
 #pragma omp parallel
     {
