@@ -9,12 +9,12 @@
  *           head together, so that a value row is read once for all of them
  *
  * The block-by-block kernel (paged_attention.c) runs a softmax per block and reads a block's rows
- * one head after another; on a 2-core Zen 5 EPYC, with 32 sequences of 282 tokens over 30 layers,
- * this one took 0.65x its time in fp32 and 0.63x in bf16 with each sequence's blocks in order (the
- * engine's usual layout), 0.79x and 0.85x with blocks scattered, and about 0.68x / 0.59x with K/V
- * in cache (lockstep, one process). While a block's keys are scored, the next block's key rows and
- * this block's value rows are prefetched into L2, a whole token row (every head of the task) at a
- * time, so the value pass finds them there.
+ * one head after another. On a 2-core Zen 5 EPYC, with 32 sequences of 282 tokens over 30 layers
+ * (lockstep, one process, several runs), this one took 0.61-0.72x its time with each sequence's
+ * blocks in ascending order (the engine's usual layout), fp32 and bf16 alike, 0.79-0.85x with blocks
+ * scattered, 0.59-0.69x with K/V in cache, and 0.91-1.01x with blocks in descending order. While a
+ * block's keys are scored, the next block's key rows and this block's value rows are prefetched
+ * into L2, a whole token row (every head of the task) at a time, so the value pass finds them there.
  *
  * A chunk's length depends only on the model's head count and the block size, never on the batch
  * or on how the heads were split into tasks, so a query's sums run in one order however requests
