@@ -1,24 +1,26 @@
 /* Paged decode attention over float32 or bf16 K/V rows (head size 64 or 128), in two passes per chunk
- * of a sequence's context: every score of the chunk first, then one softmax update, then the values.
+ * of a sequence's context: every score of the chunk first, then one softmax, then the values.
  *
- *   chunk of CT tokens (whole blocks)       per query qi of the task (heads h0 .. h1, G queries each)
- *   pass 1: for each block, for each token row, every head's K (token-major, a dense row of
- *           all heads: 768 bytes for SmolLM2 in fp32), scores into s[qi][0 .. CT)
- *   softmax: max, e^(s - max) in place, l and the output sums rescaled once per chunk
- *   pass 2: for each block and head, out[qi] += p[qi][t] * V[t, head], the task's queries of a
- *           head together, so that a value row is read once for all of them
+ *   chunk of CT tokens (whole blocks), every query of the sequence (H of them, G per KV head):
+ *   pass 1: for each block, for each token row, every head's K (token-major, a dense row of all
+ *           heads: 768 bytes for SmolLM2 in fp32), scores into s[qi][0 .. CT)
+ *   softmax: the chunk's max, e^(s - max) in place, the sum of weights
+ *   pass 2: for each block and head, acc[qi] += p[qi][t] * V[t, head], a head's G queries together,
+ *           so that a value row is read once for all of them
+ *
+ * Each chunk's (acc, max, sum) is computed from scratch and the chunks are combined in order, so a
+ * task can be a whole sequence (a large batch: it combines as it goes) or a single chunk (a small
+ * one: the partials are combined per sequence afterwards), with the same bits. Chunk length depends
+ * only on the model's head count and the block size, so outputs do not depend on batching.
  *
  * The block-by-block kernel (paged_attention.c) runs a softmax per block and reads a block's rows
- * one head after another. On a 2-core Zen 5 EPYC, with 32 sequences of 282 tokens over 30 layers
- * (lockstep, one process, several runs), this one took 0.61-0.72x its time with each sequence's
- * blocks in ascending order (the engine's usual layout), fp32 and bf16 alike, 0.79-0.85x with blocks
- * scattered, 0.59-0.69x with K/V in cache, and 0.91-1.01x with blocks in descending order. While a
+ * one head after another, with one task per (sequence, KV head) in small batches. On a 2-core Zen 5
+ * EPYC (lockstep, one process, several runs), with 32 sequences of 282 tokens over 30 layers, this
+ * one took 0.61-0.73x its time with each sequence's blocks in ascending order (the engine's usual
+ * layout), fp32 and bf16 alike, 0.79-0.85x with blocks scattered and 0.59-0.69x with K/V in cache;
+ * with 4 sequences of 600 tokens 0.72x, and one of 2048 tokens 0.65x (fp32, ascending). While a
  * block's keys are scored, the next block's key rows and this block's value rows are prefetched
- * into L2, a whole token row (every head of the task) at a time, so the value pass finds them there.
- *
- * A chunk's length depends only on the model's head count and the block size, never on the batch
- * or on how the heads were split into tasks, so a query's sums run in one order however requests
- * are batched: the output is the same bits.
+ * into L2, a token row at a time, so the value pass finds them there.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -29,12 +31,13 @@
 
 #define MAX_DV (128 / VW) /* vectors of a row at the largest head size */
 #define GMAX 4            /* queries of one head whose value sums stay in registers at once (d = 64) */
+#define CHUNK_MAX 512      /* tokens; 64-256 were as fast or slower, and leave more partials */
 
 /* Tokens of one chunk: a whole number of blocks, with the scores of all the model's queries about
  * 32 KB (an L1's worth), and at most 512. */
 static int64_t chunk_tokens(int64_t num_heads, int64_t bs) {
     int64_t t = 8192 / num_heads;
-    t = t > 512 ? 512 : t;
+    t = t > CHUNK_MAX ? CHUNK_MAX : t;
     t = t / bs * bs;
     return t < bs ? bs : t;
 }
@@ -50,17 +53,15 @@ static inline __attribute__((always_inline)) void load_row(const void *cache, in
     }
 }
 
-/* Scores of one block's n tokens for queries qs [nq][d] (pre-scaled) of heads h0 .. h1, into
- * s[qi * ct + j]; lanes past n hold -1e30 (e^-87 after the softmax, never read by the values).
- * part: [nq][VW] vectors. pf_k, pf_v: token row 0 of the next block's keys and of this block's
- * values at head h0 (pf_k NULL in the last block), prefetched a row per token. */
+/* Scores of one block's n tokens for the queries qs [H][d] (pre-scaled) into s[qi * ct + j]; lanes
+ * past n hold -1e30 (e^-87 after the softmax, never read by the values). part: [H][VW] vectors.
+ * pf_k, pf_v: the next block's keys (NULL at the task's last block) and this block's values,
+ * prefetched a token row per token. */
 static inline __attribute__((always_inline)) void score_block(
-    const float *qs, const void *k_cache, int64_t block, int64_t bs, int64_t num_kv_heads, int64_t h0, int64_t h1,
-    int64_t group, int bf16, const int DV, int64_t n, float *s, int64_t ct, vf *part, const char *pf_k,
-    const char *pf_v) {
+    const float *qs, const void *k_cache, int64_t block, int64_t bs, int64_t num_kv_heads, int64_t group, int bf16,
+    const int DV, int64_t n, float *s, int64_t ct, vf *part, const char *pf_k, const char *pf_v) {
     const int64_t d = VW * DV;
-    int64_t nq = (h1 - h0) * group, head_bytes = (bf16 ? 2 : 4) * d;
-    int64_t row_bytes = num_kv_heads * head_bytes, span = (h1 - h0) * head_bytes;
+    int64_t nq = num_kv_heads * group, row_bytes = num_kv_heads * (bf16 ? 2 : 4) * d;
     for (int64_t j0 = 0; j0 < n; j0 += VW) {
         int64_t nj = n - j0 < VW ? n - j0 : VW;
         for (int64_t j = 0; j < VW; j++) {
@@ -71,16 +72,16 @@ static inline __attribute__((always_inline)) void score_block(
             /* the key row's lines first, then the value row's: interleaving them, one loop for
              * both, was 1.1x slower in fp32 */
             if (pf_k)
-                for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(pf_k + (j0 + j) * row_bytes + b, 0, 1);
-            for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(pf_v + (j0 + j) * row_bytes + b, 0, 1);
-            for (int64_t h = h0; h < h1; h++) {
+                for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(pf_k + (j0 + j) * row_bytes + b, 0, 1);
+            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(pf_v + (j0 + j) * row_bytes + b, 0, 1);
+            for (int64_t h = 0; h < num_kv_heads; h++) {
                 vf k[MAX_DV];
                 load_row(k_cache, (block * bs + j0 + j) * num_kv_heads + h, bf16, DV, k);
-                const float *qh = qs + (h - h0) * group * d;
+                const float *qh = qs + h * group * d;
                 for (int64_t g = 0; g < group; g++) {
                     vf t = loadv(qh + g * d) * k[0];
                     UNROLL for (int i = 1; i < DV; i++) t += loadv(qh + g * d + VW * i) * k[i];
-                    part[((h - h0) * group + g) * VW + j] = t;
+                    part[(h * group + g) * VW + j] = t;
                 }
             }
         }
@@ -169,81 +170,145 @@ static void value_head(const float *p, const void *v_cache, int64_t block, int64
     }
 }
 
-/* Floats of a thread's work area for decode_sequence. */
-static size_t work_floats(int64_t num_heads, int64_t d, int64_t bs) {
-    return (size_t)(num_heads * VW * VW + 2 * num_heads * d + 2 * num_heads + num_heads * (chunk_tokens(num_heads, bs) + VW)) + 64;
+/* state = state (+) other: both move to the larger maximum, then add. */
+static void combine(float *state, const float *other, int64_t num_heads, int64_t d) {
+    float *acc = state, *m = acc + num_heads * d, *l = m + num_heads;
+    const float *oacc = other, *om = oacc + num_heads * d, *ol = om + num_heads;
+    for (int64_t i = 0; i < num_heads; i++) {
+        float mx = m[i] > om[i] ? m[i] : om[i];
+        float a = expv((vf){0} + (m[i] - mx))[0], b = expv((vf){0} + (om[i] - mx))[0];
+        for (int64_t c = 0; c < d; c++) acc[i * d + c] = acc[i * d + c] * a + oacc[i * d + c] * b;
+        l[i] = l[i] * a + ol[i] * b;
+        m[i] = mx;
+    }
 }
 
-/* Heads h0 .. h1 of one sequence: q [H][d] its queries, out [H][d] its outputs, table its blocks. */
-static void decode_sequence(const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx,
-                            float *out, int64_t h0, int64_t h1, int64_t num_heads, int64_t num_kv_heads, int64_t d,
-                            int64_t bs, float scale, int bf16, float *work) {
-    int64_t group = num_heads / num_kv_heads, nq = (h1 - h0) * group, ct = chunk_tokens(num_heads, bs);
+static void finish(const float *state, float *out, int64_t num_heads, int64_t d) {
+    const float *acc = state, *l = acc + num_heads * d + num_heads;
+    for (int64_t i = 0; i < num_heads; i++) {
+        float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+        for (int64_t c = 0; c < d; c++) out[i * d + c] = acc[i * d + c] * inv;
+    }
+}
+
+/* A chunk's partial result, or a sequence's running one: for each of the H queries, the output
+ * sums acc [H][d], then the maxima m [H] and the sums of weights l [H]. */
+static inline int64_t partial_floats(int64_t num_heads, int64_t d) { return num_heads * (d + 2); }
+
+/* Chunks c0 .. c1 - 1 of one sequence (q [H][d] its queries), each from scratch: its keys scored,
+ * one softmax, its values; each chunk's partial is combined into `state` in order (the first one
+ * is copied). Prefetches run on across the task's chunks. */
+static void decode_chunks(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
+                          int64_t ctx, int64_t c0, int64_t c1, int64_t num_heads, int64_t num_kv_heads, int64_t d,
+                          int64_t bs, float scale, int bf16, float *state, float *work) {
+    int64_t group = num_heads / num_kv_heads, ct = chunk_tokens(num_heads, bs), per_chunk = ct / bs;
     int64_t stride = ct + VW; /* a query's scores: a chunk, and room for the last tile's lanes */
-    vf *part = (vf *)work;    /* [nq][VW], 64-byte aligned */
-    float *qs = (float *)(part + nq * VW), *acc = qs + nq * d, *m = acc + nq * d, *l = m + nq, *s = l + nq;
-    const float *qh = q + h0 * group * d;
-    for (int64_t i = 0; i < nq * d; i++) {
-        qs[i] = qh[i] * scale;
-        acc[i] = 0.0f;
-    }
-    for (int64_t i = 0; i < nq; i++) {
-        m[i] = -1e30f;
-        l[i] = 0.0f;
-    }
-    int64_t num_blocks = (ctx + bs - 1) / bs, head_bytes = (bf16 ? 2 : 4) * d, per_chunk = ct / bs;
-    for (int64_t ib0 = 0; ib0 < num_blocks; ib0 += per_chunk) {
-        int64_t ib1 = ib0 + per_chunk < num_blocks ? ib0 + per_chunk : num_blocks;
+    vf *part = (vf *)work;    /* [H][VW], 64-byte aligned */
+    float *qs = (float *)(part + num_heads * VW), *mine = qs + num_heads * d, *s = mine + partial_floats(num_heads, d);
+    float *acc = mine, *m = acc + num_heads * d, *l = m + num_heads;
+    for (int64_t i = 0; i < num_heads * d; i++) qs[i] = q[i] * scale;
+    int64_t num_blocks = (ctx + bs - 1) / bs, head_bytes = (bf16 ? 2 : 4) * d;
+    int64_t last_block = c1 * per_chunk < num_blocks ? c1 * per_chunk : num_blocks;
+    for (int64_t c = c0; c < c1; c++) {
+        int64_t ib0 = c * per_chunk, ib1 = ib0 + per_chunk < num_blocks ? ib0 + per_chunk : num_blocks;
+        float *dst = c == c0 ? state : mine;
+        acc = dst, m = acc + num_heads * d, l = m + num_heads;
+        memset(acc, 0, (size_t)(num_heads * d) * sizeof *acc);
+        for (int64_t i = 0; i < num_heads; i++) {
+            m[i] = -1e30f;
+            l[i] = 0.0f;
+        }
         for (int64_t ib = ib0; ib < ib1; ib++) {
             int64_t block = table[ib], n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
-            const char *pf_k = ib + 1 < num_blocks
-                                   ? (const char *)k_cache + (table[ib + 1] * bs * num_kv_heads + h0) * head_bytes
-                                   : NULL;
-            const char *pf_v = (const char *)v_cache + (block * bs * num_kv_heads + h0) * head_bytes;
+            const char *pf_k = ib + 1 < last_block ? (const char *)k_cache + table[ib + 1] * bs * num_kv_heads * head_bytes
+                                                   : NULL;
+            const char *pf_v = (const char *)v_cache + block * bs * num_kv_heads * head_bytes;
             float *sb = s + (ib - ib0) * bs;
             if (d == 64)
-                score_block(qs, k_cache, block, bs, num_kv_heads, h0, h1, group, bf16, 64 / VW, n, sb, stride, part,
-                            pf_k, pf_v);
+                score_block(qs, k_cache, block, bs, num_kv_heads, group, bf16, 64 / VW, n, sb, stride, part, pf_k, pf_v);
             else
-                score_block(qs, k_cache, block, bs, num_kv_heads, h0, h1, group, bf16, 128 / VW, n, sb, stride, part,
-                            pf_k, pf_v);
+                score_block(qs, k_cache, block, bs, num_kv_heads, group, bf16, 128 / VW, n, sb, stride, part, pf_k, pf_v);
         }
         int64_t t = (ctx < ib1 * bs ? ctx : ib1 * bs) - ib0 * bs;
-        for (int64_t i = 0; i < nq; i++) softmax_chunk(s + i * stride, t, m + i, l + i, acc + i * d, d);
+        for (int64_t i = 0; i < num_heads; i++) softmax_chunk(s + i * stride, t, m + i, l + i, acc + i * d, d);
         for (int64_t ib = ib0; ib < ib1; ib++) {
             int64_t block = table[ib], n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
-            for (int64_t h = h0; h < h1; h++) {
-                int64_t qi = (h - h0) * group;
-                value_head(s + qi * stride + (ib - ib0) * bs, v_cache, block, bs, num_kv_heads, h, group, bf16, d, n,
-                           stride, acc + qi * d);
-            }
+            for (int64_t h = 0; h < num_kv_heads; h++)
+                value_head(s + h * group * stride + (ib - ib0) * bs, v_cache, block, bs, num_kv_heads, h, group, bf16,
+                           d, n, stride, acc + h * group * d);
         }
-    }
-    float *oh = out + h0 * group * d;
-    for (int64_t i = 0; i < nq; i++) {
-        float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-        for (int64_t c = 0; c < d; c++) oh[i * d + c] = acc[i * d + c] * inv;
+        if (c > c0) combine(state, mine, num_heads, d);
     }
 }
 
-/* The layout and tasks of paged_attention.c's decode_all: tasks are whole sequences (all heads
- * token-major) from SEQUENCES_PER_THREAD sequences a thread, else (sequence, KV head) pairs. */
+/* Floats of a thread's work area for decode_chunks. */
+static size_t work_floats(int64_t num_heads, int64_t d, int64_t bs) {
+    return (size_t)(num_heads * VW * VW + num_heads * d + partial_floats(num_heads, d) +
+                    num_heads * (chunk_tokens(num_heads, bs) + VW)) + 64;
+}
+
+/* Tasks: with by_sequence (many sequences a thread) whole sequences, each combining its chunks as it
+ * goes; else single chunks, whose partials are combined per sequence afterwards, in the same order,
+ * so the bits are the same either way. */
 void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                       const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
                       int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width, float scale,
                       int bf16, int by_sequence) {
-    int64_t tasks = by_sequence ? batch : batch * num_kv_heads;
-    size_t floats = work_floats(num_heads, d, bs);
+    int64_t ct = chunk_tokens(num_heads, bs), pf = partial_floats(num_heads, d);
+    int64_t *first = malloc((size_t)(batch + 1) * sizeof *first); /* sequence b's chunks: first[b] .. first[b + 1] */
+    first[0] = 0;
+    for (int64_t b = 0; b < batch; b++) first[b + 1] = first[b] + (seq_lens[b] + ct - 1) / ct;
+    int64_t tasks = by_sequence ? batch : first[batch];
+    float *partials = by_sequence ? NULL : malloc((size_t)(first[batch] * pf) * sizeof(float));
+    size_t floats = work_floats(num_heads, d, bs) + (size_t)pf;
 #pragma omp parallel
     {
         float *work = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        float *state = work + work_floats(num_heads, d, bs);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            int64_t b = by_sequence ? task : task / num_kv_heads;
-            int64_t h0 = by_sequence ? 0 : task % num_kv_heads, h1 = by_sequence ? num_kv_heads : h0 + 1;
-            decode_sequence(q + b * q_stride, k_cache, v_cache, block_tables + b * width, seq_lens[b],
-                            out + b * num_heads * d, h0, h1, num_heads, num_kv_heads, d, bs, scale, bf16, work);
+            int64_t b = task, c = 0;
+            if (!by_sequence) { /* the sequence whose chunks hold this one */
+                int64_t lo = 0, hi = batch;
+                while (hi - lo > 1) {
+                    int64_t mid = (lo + hi) / 2;
+                    if (first[mid] <= task) lo = mid;
+                    else hi = mid;
+                }
+                b = lo;
+                c = task - first[b];
+            }
+            const float *qb = q + b * q_stride;
+            const int64_t *table = block_tables + b * width;
+            if (by_sequence) {
+                int64_t chunks = first[b + 1] - first[b];
+                if (chunks == 0) {
+                    memset(out + b * num_heads * d, 0, (size_t)(num_heads * d) * sizeof(float));
+                    continue;
+                }
+                decode_chunks(qb, k_cache, v_cache, table, seq_lens[b], 0, chunks, num_heads, num_kv_heads, d, bs,
+                              scale, bf16, state, work);
+                finish(state, out + b * num_heads * d, num_heads, d);
+            } else {
+                decode_chunks(qb, k_cache, v_cache, table, seq_lens[b], c, c + 1, num_heads, num_kv_heads, d, bs,
+                              scale, bf16, partials + task * pf, work);
+            }
+        }
+        if (!by_sequence) {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < batch; b++) {
+                float *o = out + b * num_heads * d;
+                if (first[b + 1] == first[b]) {
+                    memset(o, 0, (size_t)(num_heads * d) * sizeof(float));
+                    continue;
+                }
+                float *st = partials + first[b] * pf;
+                for (int64_t c = first[b] + 1; c < first[b + 1]; c++) combine(st, partials + c * pf, num_heads, d);
+                finish(st, o, num_heads, d);
+            }
         }
         free(work);
     }
+    free(partials);
+    free(first);
 }
