@@ -11,9 +11,11 @@ from kvstrata.cluster.bench.roofline import (
     MatmulPeak,
     ModelCost,
     Work,
+    decode_tokens_needed,
     measure_bandwidth,
     measure_matmul,
     median_time,
+    time_decode_steps,
 )
 from kvstrata.cluster.bench.workloads import BenchRequest, Workload
 from kvstrata.worker.config import ModelConfig
@@ -114,6 +116,25 @@ def test_a_backend_far_slower_at_the_screen_skips_the_large_sizes(monkeypatch):
     assert set(m.by_backend) == {"torch.matmul", "packed"}
     assert m.by_backend["packed"] < m.by_backend["torch.matmul"] / 10
     assert m.flops_per_s == m.by_backend["torch.matmul"]
+
+
+def test_decode_tokens_needed_covers_prompts_of_several_chunks():
+    assert decode_tokens_needed(4, 8) == 8 + 4 + 2  # short prompts: one step each at most
+    assert decode_tokens_needed(4, 8, prompt_len=512) == 8 + 4 + 2
+    assert decode_tokens_needed(4, 8, prompt_len=2048) == 8 + 4 * 4 + 2  # four 512-token chunks each
+    assert decode_tokens_needed(4, 8, prompt_len=2048, step_tokens=2048) == 8 + 4 + 2
+
+
+@pytest.mark.slow
+def test_decode_steps_keep_every_sequence_when_prompts_take_several_steps(llm):
+    """Prompts longer than a step's budget are computed in chunks over several steps, while the
+    sequences admitted first already decode: none may finish before the timed steps are over."""
+    budget = llm.engine.scheduler.config.max_num_batched_tokens
+    prompt_len = 3 * budget + 100  # four steps a prompt: the first sequence decodes through eight
+    steps = time_decode_steps(llm, 3, prompt_len, 2)
+    assert len(steps) == 2
+    assert all(keys >= 3 * (prompt_len + 1) for _, keys in steps)  # all three sequences attended
+    assert not llm.engine.has_unfinished_requests()
 
 
 @pytest.mark.slow

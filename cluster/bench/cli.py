@@ -79,7 +79,7 @@ def run_roofline_cmd(args: argparse.Namespace) -> int:
     results = []
     max_batch = max(args.batches)
     for d in args.dtypes:
-        max_len = args.prompt_len + decode_tokens_needed(max_batch, args.steps)
+        max_len = args.prompt_len + decode_tokens_needed(max_batch, args.steps, args.prompt_len)
         blocks = max_batch * (-(-max_len // 16)) + 16
         llm = LLM(args.model, dtype=d, num_gpu_blocks=blocks)
         probe = PeakProbe(d, peaks.matmul[d].best_backend,

@@ -50,7 +50,7 @@ def bench_kv_decode(model: str, kv_dtypes: tuple[str, ...], context: int, batch:
     from kvstrata.cluster.bench.roofline import decode_tokens_needed, time_decode_steps
     from kvstrata.worker.llm import LLM
 
-    max_len = context + decode_tokens_needed(batch, steps) + 1
+    max_len = context + decode_tokens_needed(batch, steps, context) + 1
     blocks = batch * (-(-max_len // 16)) + 16
     llms = {d: LLM(model, kv_dtype=d, num_gpu_blocks=blocks, max_model_len=max_len + 16) for d in kv_dtypes}
     times: dict[str, list[float]] = {d: [] for d in kv_dtypes}

@@ -268,8 +268,10 @@ def time_decode_steps(llm, batch: int, prompt_len: int, num_steps: int, seed: in
     rng = random.Random(seed)
     vocab = engine.config.vocab_size
     ids = [f"roofline-{batch}-{i}" for i in range(batch)]
-    # every prefill step admits at least one sequence, so none finishes before the timed steps end
-    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens_needed(batch, num_steps), ignore_eos=True)
+    # every prefill step computes a chunk of at least one prompt, so none finishes before the timed steps end
+    budget = engine.scheduler.config.max_num_batched_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens_needed(batch, num_steps, prompt_len, budget),
+                            ignore_eos=True)
     for rid in ids:
         engine.add_request(rid, [rng.randrange(17, vocab) for _ in range(prompt_len)], params)
     try:
@@ -294,9 +296,13 @@ def time_decode_steps(llm, batch: int, prompt_len: int, num_steps: int, seed: in
     return steps
 
 
-def decode_tokens_needed(batch: int, num_steps: int) -> int:
-    """max_tokens that keeps every sequence decoding through the prefill, warm-up and timed steps."""
-    return num_steps + batch + 2
+def decode_tokens_needed(batch: int, num_steps: int, prompt_len: int = 1, step_tokens: int = 512) -> int:
+    """max_tokens that keeps every sequence decoding through the prefill, warm-up and timed steps.
+
+    Each step computes a chunk of at least one prompt, of up to `step_tokens` (the engine's step
+    budget; 512, the smallest default, bounds the others from above), so the prompts take at most
+    batch x ceil(prompt_len / step_tokens) steps, in which the first sequence may already decode."""
+    return num_steps + batch * max(1, -(-prompt_len // step_tokens)) + 2
 
 
 def bench_decode(llm, dtype: str, batches: tuple[int, ...], prompt_len: int, num_steps: int,
