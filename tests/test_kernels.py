@@ -189,6 +189,19 @@ def test_the_kernels_build_wherever_there_is_a_c_compiler():
         pytest.fail(f"the CPU kernels do not compile:\n{e.stderr}")
 
 
+def test_every_kernel_source_and_header_is_part_of_the_build_identity():
+    """The shared object is cached under a hash of its sources and headers: a file left out of
+    the hash would let an edit to it run on the stale build."""
+    import re
+
+    from kvstrata.worker.cpu_kernels import _HEADERS, _SOURCES
+
+    csrc = _SOURCES[0].parent
+    assert {p.name for p in _SOURCES} == {p.name for p in csrc.glob("*.c")}
+    included = {name for p in csrc.iterdir() for name in re.findall(r'#include "([^"]+)"', p.read_text())}
+    assert {p.name for p in _HEADERS} == included == {p.name for p in csrc.glob("*.h")}
+
+
 def test_kernels_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("KVSTRATA_CPU_KERNELS", "0")
     load_cpu_kernels.cache_clear()

@@ -397,11 +397,11 @@ def test_the_c_decode_kernel_reads_quantized_rows_in_place_like_the_torch_path(n
     fmt.write(k_cache, _keys_like(len(slots), seed=1), slots, key=True)
     fmt.write(v_cache, _keys_like(len(slots), seed=2), slots, key=False)
     g = torch.Generator().manual_seed(3)
-    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:20] for _ in range(3)])
-    lens = torch.tensor([320, 150, 1])
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:40] for _ in range(3)])
+    lens = torch.tensor([620, 150, 1])  # 620 tokens: two chunks of the two-pass kernel
     q = torch.randn(3, 9, D, generator=g)
     out = kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, fmt.code_table)
-    mask = (torch.arange(20 * BS)[None, :] < lens[:, None]).view(3, 1, 1, -1)
+    mask = (torch.arange(40 * BS)[None, :] < lens[:, None]).view(3, 1, 1, -1)
     ref = _decode_attention(q, k_cache, v_cache, tables, mask, 0.125, fmt)
     # the same math in another summation order: fp32 rounding, with outlier channels of ~40, up to ~6e-5
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
@@ -433,6 +433,34 @@ def test_the_c_decode_kernel_decodes_every_byte_code_like_its_table(name):
     torch.testing.assert_close(out.flatten(), fmt.code_table, rtol=0, atol=0, equal_nan=True)
 
 
+def test_the_c_decode_kernel_decodes_known_tables_by_arithmetic_and_any_other_through_the_table():
+    """int8 and both fp8 tables are recognised (their codes then decode in vector registers); any
+    other table is looked up code by code, and reads exactly as it says, in the vector head sizes
+    and in the generic one."""
+    from kvstrata.worker.cpu_kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("the C kernels cannot be built here (no compiler)")
+    for name, kind in (("int8", "int8"), ("fp8_e4m3", "e4m3"), ("fp8_e5m2", "e5m2")):
+        assert kernels.byte_code_decoding(make_kv_format(name, D, BS, torch.float32).code_table) == kind
+    table = torch.randn(256, generator=torch.Generator().manual_seed(8))
+    assert kernels.byte_code_decoding(table) == "table"
+    with pytest.raises(ValueError, match="256 float32"):
+        kernels.byte_code_decoding(table[:255])
+    for d in (64, 48):
+        n = 256 // d + 1
+        one = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+        v_cache = torch.zeros((n, BS, 1, d + 2), dtype=torch.uint8)
+        v_cache[..., d:] = one
+        codes = torch.arange(n * d) % 256
+        v_cache[:, 0, 0, :d] = codes.to(torch.uint8).view(n, d)
+        k_cache = v_cache.clone()
+        out = kernels.paged_decode(torch.randn(n, 1, d), k_cache, v_cache, torch.arange(n).view(n, 1),
+                                   torch.ones(n, dtype=torch.int64), 0.125, table)
+        torch.testing.assert_close(out.flatten(), table[codes], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("head_dim, block_size", [(64, 16), (64, 32), (128, 16), (48, 8)],
                          ids=["d64-bs16", "d64-bs32", "d128-bs16", "d48-bs8-generic"])
 def test_the_c_decode_kernel_reads_int4_rows_in_place_like_the_torch_path(head_dim, block_size):
@@ -446,7 +474,7 @@ def test_the_c_decode_kernel_reads_int4_rows_in_place_like_the_torch_path(head_d
         pytest.skip("the C kernels cannot be built here (no compiler)")
     fmt = make_kv_format("int4", head_dim, block_size, torch.float32)
     assert fmt.kernel_readable
-    num_blocks, hkv = 24, 2
+    num_blocks, hkv = 40, 2
     g = torch.Generator().manual_seed(4)
     width = fmt.spec().row_width
     k_cache = torch.randint(0, 256, (num_blocks, block_size, hkv, width), dtype=torch.uint8, generator=g)
@@ -456,11 +484,11 @@ def test_the_c_decode_kernel_reads_int4_rows_in_place_like_the_torch_path(head_d
     keys[..., 3] *= 20  # an outlier channel, as real keys have
     fmt.write(k_cache, keys, slots, key=True)
     fmt.write(v_cache, torch.randn(len(slots), hkv, head_dim, generator=g), slots, key=False)
-    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:12] for _ in range(3)])
-    lens = torch.tensor([12 * block_size, 5 * block_size + 3, 1])
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:36] for _ in range(3)])
+    lens = torch.tensor([36 * block_size, 5 * block_size + 3, 1])  # 576 tokens and more: several chunks
     q = torch.randn(3, 4 * hkv, head_dim, generator=g)
     out = kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, fmt.code_table, fmt.int4_value_group)
-    mask = (torch.arange(12 * block_size)[None, :] < lens[:, None]).view(3, 1, 1, -1)
+    mask = (torch.arange(36 * block_size)[None, :] < lens[:, None]).view(3, 1, 1, -1)
     ref = _decode_attention(q, k_cache, v_cache, tables, mask, 0.125, fmt)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="int4 rows"):
@@ -484,8 +512,8 @@ def test_bench_kv_decode_times_each_format_side_by_side(tmp_path, capsys):
 
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "int4"])
 def test_the_c_decode_kernel_gives_a_sequence_the_same_bits_alone_and_in_a_large_batch(name):
-    """A large batch takes one task per sequence (its heads in turn, block by block), a lone
-    sequence one task per KV head; quantized rows, int4 keys' per-block steps included, decode alike."""
+    """A large batch takes one task per sequence, a lone sequence one task per chunk of its context
+    (up to 640 tokens here: two chunks); quantized rows, int4 keys' per-block steps included, decode alike."""
     from kvstrata.worker.cpu_kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
@@ -498,8 +526,8 @@ def test_the_c_decode_kernel_gives_a_sequence_the_same_bits_alone_and_in_a_large
     fmt.write(k_cache, _keys_like(len(slots), seed=5), slots, key=True)
     fmt.write(v_cache, _keys_like(len(slots), seed=6), slots, key=False)
     g = torch.Generator().manual_seed(7)
-    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:8] for _ in range(batch)])
-    lens = torch.randint(1, 8 * BS + 1, (batch,), generator=g)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g) for _ in range(batch)])
+    lens = torch.randint(1, num_blocks * BS + 1, (batch,), generator=g)
     q = torch.randn(batch, 9, D, generator=g)
     extra = (fmt.code_table, fmt.int4_value_group) if name == "int4" else (fmt.code_table,)
     together = kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, *extra)

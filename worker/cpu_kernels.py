@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_attention.c", "dense_decode.c", "prefill_attention.c", "gemm.c", "norm.c", "rope.c", "layer.c",
                          "block_copy.c", "crc32.c", "argmax.c", "bf16_ops.c", "amx_gemm.c")]
-_HEADERS = [Path(__file__).parent / "csrc" / "vec.h"]  # part of the build's identity, not compiled alone
+# part of the build's identity, not compiled alone
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vec.h", "kv_rows.h")]
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-shared", "-fPIC"]
 
@@ -114,6 +115,15 @@ class CpuKernels:
         lib.kvs_crc32_fast.restype = ctypes.c_int
         # whether crc32 beats zlib's here (carry-less multiplies); without, the same values, slower
         self.crc32_fast = bool(lib.kvs_crc32_fast())
+
+    def byte_code_decoding(self, code_table: torch.Tensor) -> str:
+        """How decode attention reads byte-code rows with this table: "int8", "e4m3" or "e5m2" when
+        the table holds that format's values (decoded by arithmetic in vector registers), else
+        "table" (each code looked up)."""
+        if code_table.dtype != torch.float32 or code_table.numel() != 256:
+            raise ValueError("a byte-code table is 256 float32 values")
+        table = code_table.contiguous()
+        return ("table", "int8", "e4m3", "e5m2")[self._lib.kvs_codes_kind(ctypes.c_void_p(table.data_ptr()))]
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> bool:
         return dtype in (torch.float32, torch.bfloat16) and num_heads % num_kv_heads == 0

@@ -1,5 +1,5 @@
-/* Paged decode attention over float32 or bf16 K/V rows (head size 64 or 128), in two passes per chunk
- * of a sequence's context: every score of the chunk first, then one softmax, then the values.
+/* Paged decode attention at head sizes 64 and 128, every row format of kv_rows.h, in two passes per
+ * chunk of a sequence's context: every score of the chunk first, then one softmax, then the values.
  *
  *   chunk of CT tokens (whole blocks), every query of the sequence (H of them, G per KV head):
  *   pass 1: for each block, for each token row, every head's K (token-major, a dense row of all
@@ -27,7 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vec.h"
+#include "kv_rows.h"
 
 #define MAX_DV (128 / VW) /* vectors of a row at the largest head size */
 #define GMAX 4            /* queries of one head whose value sums stay in registers at once (d = 64) */
@@ -42,26 +42,33 @@ static int64_t chunk_tokens(int64_t num_heads, int64_t bs) {
     return t < bs ? bs : t;
 }
 
-static inline __attribute__((always_inline)) void load_row(const void *cache, int64_t row, int bf16, const int DV,
-                                                           vf *r) {
-    if (bf16) {
+/* Row `row` of the cache as DV vectors: bf16 widened in registers, fp32 as it is, coded rows decoded
+ * into buf first (kp: an int4 key block's parameters for the row's head, else NULL). */
+static inline __attribute__((always_inline)) void row_vectors(const void *cache, int64_t row, const RowFormat *f,
+                                                              const int DV, const float *kp, float *buf, vf *r) {
+    if (f->kind == ROW_BF16) {
         const uint16_t *p = (const uint16_t *)cache + row * VW * DV;
         UNROLL for (int i = 0; i < DV; i++) r[i] = widen_bf16(p + VW * i);
     } else {
-        const float *p = (const float *)cache + row * VW * DV;
+        const float *p = load_row(cache, row, VW * DV, f, kp, buf);
         UNROLL for (int i = 0; i < DV; i++) r[i] = loadv(p + VW * i);
     }
 }
 
 /* Scores of one block's n tokens for the queries qs [H][d] (pre-scaled) into s[qi * ct + j]; lanes
- * past n hold -1e30 (e^-87 after the softmax, never read by the values). part: [H][VW] vectors.
- * pf_k, pf_v: the next block's keys (NULL at the task's last block) and this block's values,
- * prefetched a token row per token. */
+ * past n hold -1e30 (e^-87 after the softmax, never read by the values). part: [H][VW] vectors;
+ * buf [d] and kp [Hkv][2d]: room to decode coded rows and int4 key blocks' parameters. pf_k, pf_v:
+ * the next block's keys (NULL at the task's last block) and this block's values, prefetched a
+ * token row per token. */
 static inline __attribute__((always_inline)) void score_block(
-    const float *qs, const void *k_cache, int64_t block, int64_t bs, int64_t num_kv_heads, int64_t group, int bf16,
-    const int DV, int64_t n, float *s, int64_t ct, vf *part, const char *pf_k, const char *pf_v) {
+    const float *qs, const void *k_cache, int64_t block, int64_t bs, int64_t num_kv_heads, int64_t group,
+    const RowFormat *f, const int DV, int64_t n, float *s, int64_t ct, vf *part, float *buf, float *kp,
+    const char *pf_k, const char *pf_v) {
     const int64_t d = VW * DV;
-    int64_t nq = num_kv_heads * group, row_bytes = num_kv_heads * (bf16 ? 2 : 4) * d;
+    int64_t nq = num_kv_heads * group, row_bytes = num_kv_heads * head_row_bytes(f, d);
+    if (f->kind == ROW_INT4)
+        for (int64_t h = 0; h < num_kv_heads; h++)
+            int4_key_params(k_cache, block, bs, num_kv_heads, h, d, f, kp + h * 2 * d);
     for (int64_t j0 = 0; j0 < n; j0 += VW) {
         int64_t nj = n - j0 < VW ? n - j0 : VW;
         for (int64_t j = 0; j < VW; j++) {
@@ -76,7 +83,8 @@ static inline __attribute__((always_inline)) void score_block(
             for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(pf_v + (j0 + j) * row_bytes + b, 0, 1);
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 vf k[MAX_DV];
-                load_row(k_cache, (block * bs + j0 + j) * num_kv_heads + h, bf16, DV, k);
+                row_vectors(k_cache, (block * bs + j0 + j) * num_kv_heads + h, f, DV,
+                            f->kind == ROW_INT4 ? kp + h * 2 * d : NULL, buf, k);
                 const float *qh = qs + h * group * d;
                 for (int64_t g = 0; g < group; g++) {
                     vf t = loadv(qh + g * d) * k[0];
@@ -133,14 +141,14 @@ static void softmax_chunk(float *s, int64_t t, float *m, float *l, float *acc, i
  * loaded (and widened) once for the NQ queries, whose sums stay in registers through the block. */
 static inline __attribute__((always_inline)) void value_block(const float *p, const void *v_cache, int64_t block,
                                                               int64_t bs, int64_t num_kv_heads, int64_t head,
-                                                              int bf16, const int NQ, const int DV, int64_t n,
-                                                              int64_t ct, float *acc) {
+                                                              const RowFormat *f, const int NQ, const int DV,
+                                                              int64_t n, int64_t ct, float *acc, float *buf) {
     const int64_t d = VW * DV;
     vf a[GMAX][MAX_DV];
     UNROLL for (int g = 0; g < NQ; g++) UNROLL for (int i = 0; i < DV; i++) a[g][i] = loadv(acc + g * d + VW * i);
     for (int64_t j = 0; j < n; j++) {
         vf v[MAX_DV];
-        load_row(v_cache, (block * bs + j) * num_kv_heads + head, bf16, DV, v);
+        row_vectors(v_cache, (block * bs + j) * num_kv_heads + head, f, DV, NULL, buf, v);
         UNROLL for (int g = 0; g < NQ; g++) {
             float pj = p[g * ct + j];
             UNROLL for (int i = 0; i < DV; i++) a[g][i] += pj * v[i];
@@ -150,13 +158,14 @@ static inline __attribute__((always_inline)) void value_block(const float *p, co
 }
 
 static void value_head(const float *p, const void *v_cache, int64_t block, int64_t bs, int64_t num_kv_heads,
-                       int64_t head, int64_t group, int bf16, int64_t d, int64_t n, int64_t ct, float *acc) {
+                       int64_t head, int64_t group, const RowFormat *f, int64_t d, int64_t n, int64_t ct, float *acc,
+                       float *buf) {
     int64_t per = d == 64 ? GMAX : GMAX / 2; /* 4 x 4 or 2 x 8 vectors of sums */
     for (int64_t g0 = 0; g0 < group; g0 += per) {
         int64_t nq = group - g0 < per ? group - g0 : per;
         const float *pg = p + g0 * ct;
         float *ag = acc + g0 * d;
-#define VALUES(NQ, DV) value_block(pg, v_cache, block, bs, num_kv_heads, head, bf16, NQ, DV, n, ct, ag)
+#define VALUES(NQ, DV) value_block(pg, v_cache, block, bs, num_kv_heads, head, f, NQ, DV, n, ct, ag, buf)
         if (d == 64) {
             if (nq == 4) VALUES(4, 64 / VW);
             else if (nq == 3) VALUES(3, 64 / VW);
@@ -200,14 +209,15 @@ static inline int64_t partial_floats(int64_t num_heads, int64_t d) { return num_
  * is copied). Prefetches run on across the task's chunks. */
 static void decode_chunks(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
                           int64_t ctx, int64_t c0, int64_t c1, int64_t num_heads, int64_t num_kv_heads, int64_t d,
-                          int64_t bs, float scale, int bf16, float *state, float *work) {
+                          int64_t bs, float scale, const RowFormat *f, float *state, float *work) {
     int64_t group = num_heads / num_kv_heads, ct = chunk_tokens(num_heads, bs), per_chunk = ct / bs;
     int64_t stride = ct + VW; /* a query's scores: a chunk, and room for the last tile's lanes */
     vf *part = (vf *)work;    /* [H][VW], 64-byte aligned */
     float *qs = (float *)(part + num_heads * VW), *mine = qs + num_heads * d, *s = mine + partial_floats(num_heads, d);
+    float *buf = s + num_heads * stride, *kp = buf + d; /* [d], [Hkv][2d] */
     float *acc = mine, *m = acc + num_heads * d, *l = m + num_heads;
     for (int64_t i = 0; i < num_heads * d; i++) qs[i] = q[i] * scale;
-    int64_t num_blocks = (ctx + bs - 1) / bs, head_bytes = (bf16 ? 2 : 4) * d;
+    int64_t num_blocks = (ctx + bs - 1) / bs, row_bytes = num_kv_heads * head_row_bytes(f, d);
     int64_t last_block = c1 * per_chunk < num_blocks ? c1 * per_chunk : num_blocks;
     for (int64_t c = c0; c < c1; c++) {
         int64_t ib0 = c * per_chunk, ib1 = ib0 + per_chunk < num_blocks ? ib0 + per_chunk : num_blocks;
@@ -220,22 +230,23 @@ static void decode_chunks(const float *q, const void *k_cache, const void *v_cac
         }
         for (int64_t ib = ib0; ib < ib1; ib++) {
             int64_t block = table[ib], n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
-            const char *pf_k = ib + 1 < last_block ? (const char *)k_cache + table[ib + 1] * bs * num_kv_heads * head_bytes
-                                                   : NULL;
-            const char *pf_v = (const char *)v_cache + block * bs * num_kv_heads * head_bytes;
+            const char *pf_k = ib + 1 < last_block ? (const char *)k_cache + table[ib + 1] * bs * row_bytes : NULL;
+            const char *pf_v = (const char *)v_cache + block * bs * row_bytes;
             float *sb = s + (ib - ib0) * bs;
             if (d == 64)
-                score_block(qs, k_cache, block, bs, num_kv_heads, group, bf16, 64 / VW, n, sb, stride, part, pf_k, pf_v);
+                score_block(qs, k_cache, block, bs, num_kv_heads, group, f, 64 / VW, n, sb, stride, part, buf, kp, pf_k,
+                            pf_v);
             else
-                score_block(qs, k_cache, block, bs, num_kv_heads, group, bf16, 128 / VW, n, sb, stride, part, pf_k, pf_v);
+                score_block(qs, k_cache, block, bs, num_kv_heads, group, f, 128 / VW, n, sb, stride, part, buf, kp, pf_k,
+                            pf_v);
         }
         int64_t t = (ctx < ib1 * bs ? ctx : ib1 * bs) - ib0 * bs;
         for (int64_t i = 0; i < num_heads; i++) softmax_chunk(s + i * stride, t, m + i, l + i, acc + i * d, d);
         for (int64_t ib = ib0; ib < ib1; ib++) {
             int64_t block = table[ib], n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
             for (int64_t h = 0; h < num_kv_heads; h++)
-                value_head(s + h * group * stride + (ib - ib0) * bs, v_cache, block, bs, num_kv_heads, h, group, bf16,
-                           d, n, stride, acc + h * group * d);
+                value_head(s + h * group * stride + (ib - ib0) * bs, v_cache, block, bs, num_kv_heads, h, group, f, d,
+                           n, stride, acc + h * group * d, buf);
         }
         if (c > c0) combine(state, mine, num_heads, d);
     }
@@ -244,7 +255,7 @@ static void decode_chunks(const float *q, const void *k_cache, const void *v_cac
 /* Floats of a thread's work area for decode_chunks. */
 static size_t work_floats(int64_t num_heads, int64_t d, int64_t bs) {
     return (size_t)(num_heads * VW * VW + num_heads * d + partial_floats(num_heads, d) +
-                    num_heads * (chunk_tokens(num_heads, bs) + VW)) + 64;
+                    num_heads * (chunk_tokens(num_heads, bs) + VW) + d + 2 * num_heads * d) + 64;
 }
 
 /* Tasks: with by_sequence (many sequences a thread) whole sequences, each combining its chunks as it
@@ -253,7 +264,7 @@ static size_t work_floats(int64_t num_heads, int64_t d, int64_t bs) {
 void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                       const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
                       int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width, float scale,
-                      int bf16, int by_sequence) {
+                      const RowFormat *f, int by_sequence) {
     int64_t ct = chunk_tokens(num_heads, bs), pf = partial_floats(num_heads, d);
     int64_t *first = malloc((size_t)(batch + 1) * sizeof *first); /* sequence b's chunks: first[b] .. first[b + 1] */
     first[0] = 0;
@@ -287,11 +298,11 @@ void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, con
                     continue;
                 }
                 decode_chunks(qb, k_cache, v_cache, table, seq_lens[b], 0, chunks, num_heads, num_kv_heads, d, bs,
-                              scale, bf16, state, work);
+                              scale, f, state, work);
                 finish(state, out + b * num_heads * d, num_heads, d);
             } else {
                 decode_chunks(qb, k_cache, v_cache, table, seq_lens[b], c, c + 1, num_heads, num_kv_heads, d, bs,
-                              scale, bf16, partials + task * pf, work);
+                              scale, f, partials + task * pf, work);
             }
         }
         if (!by_sequence) {
