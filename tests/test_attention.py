@@ -190,6 +190,25 @@ def test_kernel_matches_torch_decode_over_several_score_chunks(dtype, h, h_kv, d
 
 
 @pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+def test_kernel_reads_nothing_an_earlier_call_left_behind():
+    """Blocks of 24 tokens end mid-vector: a context of 34 tokens has scores up to 34 but the softmax
+    reads vectors up to 48. A call whose keys all score 640 runs first, in the same shapes, so that
+    its scores are what lies past 34 in the reused buffers unless the kernel fills them."""
+    gen = torch.Generator().manual_seed(11)
+    h, h_kv, d, block, batch = 9, 3, 64, 24, 12
+    table = torch.arange(batch * 2).view(batch, 2)
+    loud = torch.full((batch * 2, block, h_kv, d), 10.0)
+    KERNELS.paged_decode(torch.ones(batch, h, d), loud, loud, table, torch.full((batch,), 2 * block), 1.0)
+    q = torch.randn(batch, h, d, generator=gen)
+    k_cache = torch.randn(batch * 2, block, h_kv, d, generator=gen)
+    v_cache = torch.randn(batch * 2, block, h_kv, d, generator=gen)
+    lens = torch.full((batch,), block + 10)
+    got = KERNELS.paged_decode(q, k_cache, v_cache, table, lens, d ** -0.5)
+    ref = paged_attention(q, k_cache, v_cache, _decode_meta(table, lens, "torch", block), d ** -0.5)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler")
 @pytest.mark.parametrize("big_at", [5, 550])  # in the first chunk of 512 tokens, or in the second
 def test_kernel_softmax_stays_exact_when_the_maximum_moves_between_chunks(big_at):
     """One key scores 1000 and the rest 0: the output is that token's value row, whether the large

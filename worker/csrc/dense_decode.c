@@ -241,7 +241,12 @@ static void decode_chunks(const float *q, const void *k_cache, const void *v_cac
                             pf_v);
         }
         int64_t t = (ctx < ib1 * bs ? ctx : ib1 * bs) - ib0 * bs;
-        for (int64_t i = 0; i < num_heads; i++) softmax_chunk(s + i * stride, t, m + i, l + i, acc + i * d, d);
+        /* the softmax reads whole vectors: with blocks that are not a multiple of VW tokens the last
+         * block's tiles can end short of them, and what lies there is an earlier call's */
+        for (int64_t i = 0; i < num_heads; i++) {
+            for (int64_t p = t; p < (t + VW - 1) / VW * VW; p++) s[i * stride + p] = -1e30f;
+            softmax_chunk(s + i * stride, t, m + i, l + i, acc + i * d, d);
+        }
         for (int64_t ib = ib0; ib < ib1; ib++) {
             int64_t block = table[ib], n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
             for (int64_t h = 0; h < num_kv_heads; h++)
