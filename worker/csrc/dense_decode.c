@@ -77,7 +77,7 @@ static inline __attribute__((always_inline)) void score_block(
                 continue;
             }
             /* the key row's lines first, then the value row's: interleaving them, one loop for
-             * both, was 1.1x slower in fp32 */
+             * both, was 1.1-1.2x slower in fp32 */
             if (pf_k)
                 for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(pf_k + (j0 + j) * row_bytes + b, 0, 1);
             for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(pf_v + (j0 + j) * row_bytes + b, 0, 1);
