@@ -101,10 +101,9 @@ static inline __attribute__((always_inline)) void score_block(
     }
 }
 
-/* One query's softmax state over a chunk of T scores s (lanes up to a multiple of VW readable):
- * s becomes e^(s - max), and the running maximum m, sum l and output sums acc [d] are moved to the
- * new maximum. Two chains each, so that the max and sum are not one long dependency. */
-static void softmax_chunk(float *s, int64_t t, float *m, float *l, float *acc, int64_t d) {
+/* A chunk's t scores s (read in whole vectors: the lanes past t hold -1e30) become e^(s - max), the
+ * max going to *m; returns their sum. Two chains each, so that neither is one long dependency. */
+static float softmax_chunk(float *s, int64_t t, float *m) {
     int64_t chunks = (t + VW - 1) / VW, c;
     vf m0 = loadv(s), m1 = m0;
     for (c = 1; c + 1 < chunks; c += 2) {
@@ -113,8 +112,6 @@ static void softmax_chunk(float *s, int64_t t, float *m, float *l, float *acc, i
     }
     if (c < chunks) m0 = vmaxv(m0, loadv(s + VW * c));
     float mx = hmaxv(vmaxv(m0, m1));
-    mx = mx > *m ? mx : *m;
-    float corr = expv((vf){0} + (*m - mx))[0];
     vf s0 = {0}, s1 = {0};
     for (c = 0; c + 1 < chunks; c += 2) {
         vf e0 = expv(loadv(s + VW * c) - mx), e1 = expv(loadv(s + VW * (c + 1)) - mx);
@@ -128,13 +125,8 @@ static void softmax_chunk(float *s, int64_t t, float *m, float *l, float *acc, i
         s0 += e0;
         memcpy(s + VW * c, &e0, sizeof e0);
     }
-    if (corr != 1.0f)
-        for (int64_t i = 0; i < d; i += VW) {
-            vf a = loadv(acc + i) * corr;
-            memcpy(acc + i, &a, sizeof a);
-        }
     *m = mx;
-    *l = *l * corr + hsumv(s0 + s1);
+    return hsumv(s0 + s1);
 }
 
 /* acc [NQ][d] += p [NQ][ct] (from token 0 of this block) times one head's n value rows: a row is
@@ -224,10 +216,6 @@ static void decode_chunks(const float *q, const void *k_cache, const void *v_cac
         float *dst = c == c0 ? state : mine;
         acc = dst, m = acc + num_heads * d, l = m + num_heads;
         memset(acc, 0, (size_t)(num_heads * d) * sizeof *acc);
-        for (int64_t i = 0; i < num_heads; i++) {
-            m[i] = -1e30f;
-            l[i] = 0.0f;
-        }
         for (int64_t ib = ib0; ib < ib1; ib++) {
             int64_t block = table[ib], n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
             const char *pf_k = ib + 1 < last_block ? (const char *)k_cache + table[ib + 1] * bs * row_bytes : NULL;
@@ -245,7 +233,7 @@ static void decode_chunks(const float *q, const void *k_cache, const void *v_cac
          * block's tiles can end short of them, and what lies there is an earlier call's */
         for (int64_t i = 0; i < num_heads; i++) {
             for (int64_t p = t; p < (t + VW - 1) / VW * VW; p++) s[i * stride + p] = -1e30f;
-            softmax_chunk(s + i * stride, t, m + i, l + i, acc + i * d, d);
+            l[i] = softmax_chunk(s + i * stride, t, m + i);
         }
         for (int64_t ib = ib0; ib < ib1; ib++) {
             int64_t block = table[ib], n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
