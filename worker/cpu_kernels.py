@@ -32,8 +32,8 @@ from kvstrata.worker.gguf_loader import cache_root
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("paged_attention.c", "dense_decode.c", "prefill_attention.c", "gemm.c", "norm.c", "rope.c", "layer.c",
-                         "block_copy.c", "crc32.c", "argmax.c", "bf16_ops.c", "amx_gemm.c")]
+            for name in ("paged_attention.c", "dense_decode.c", "prefill_attention.c", "gemm.c", "norm.c", "rope.c",
+                         "layer.c", "block_copy.c", "crc32.c", "argmax.c", "bf16_ops.c", "amx_gemm.c")]
 # part of the build's identity, not compiled alone
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vec.h", "kv_rows.h")]
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds

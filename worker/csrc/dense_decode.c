@@ -207,14 +207,12 @@ static void decode_chunks(const float *q, const void *k_cache, const void *v_cac
     vf *part = (vf *)work;    /* [H][VW], 64-byte aligned */
     float *qs = (float *)(part + num_heads * VW), *mine = qs + num_heads * d, *s = mine + partial_floats(num_heads, d);
     float *buf = s + num_heads * stride, *kp = buf + d; /* [d], [Hkv][2d] */
-    float *acc = mine, *m = acc + num_heads * d, *l = m + num_heads;
     for (int64_t i = 0; i < num_heads * d; i++) qs[i] = q[i] * scale;
     int64_t num_blocks = (ctx + bs - 1) / bs, row_bytes = num_kv_heads * head_row_bytes(f, d);
     int64_t last_block = c1 * per_chunk < num_blocks ? c1 * per_chunk : num_blocks;
     for (int64_t c = c0; c < c1; c++) {
         int64_t ib0 = c * per_chunk, ib1 = ib0 + per_chunk < num_blocks ? ib0 + per_chunk : num_blocks;
-        float *dst = c == c0 ? state : mine;
-        acc = dst, m = acc + num_heads * d, l = m + num_heads;
+        float *acc = c == c0 ? state : mine, *m = acc + num_heads * d, *l = m + num_heads;
         memset(acc, 0, (size_t)(num_heads * d) * sizeof *acc);
         for (int64_t ib = ib0; ib < ib1; ib++) {
             int64_t block = table[ib], n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
@@ -222,11 +220,11 @@ static void decode_chunks(const float *q, const void *k_cache, const void *v_cac
             const char *pf_v = (const char *)v_cache + block * bs * row_bytes;
             float *sb = s + (ib - ib0) * bs;
             if (d == 64)
-                score_block(qs, k_cache, block, bs, num_kv_heads, group, f, 64 / VW, n, sb, stride, part, buf, kp, pf_k,
-                            pf_v);
+                score_block(qs, k_cache, block, bs, num_kv_heads, group, f, 64 / VW, n, sb, stride, part, buf, kp,
+                            pf_k, pf_v);
             else
-                score_block(qs, k_cache, block, bs, num_kv_heads, group, f, 128 / VW, n, sb, stride, part, buf, kp, pf_k,
-                            pf_v);
+                score_block(qs, k_cache, block, bs, num_kv_heads, group, f, 128 / VW, n, sb, stride, part, buf, kp,
+                            pf_k, pf_v);
         }
         int64_t t = (ctx < ib1 * bs ? ctx : ib1 * bs) - ib0 * bs;
         /* the softmax reads whole vectors: with blocks that are not a multiple of VW tokens the last
