@@ -534,3 +534,77 @@ def test_the_c_decode_kernel_gives_a_sequence_the_same_bits_alone_and_in_a_large
     for b in range(batch):
         alone = kernels.paged_decode(q[b : b + 1], k_cache, v_cache, tables[b : b + 1], lens[b : b + 1], 0.125, *extra)
         assert torch.equal(alone[0], together[b]), f"sequence {b}"
+
+
+def _kernels_or_skip():
+    from kvstrata.worker.cpu_kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("the C kernels cannot be built here (no compiler)")
+    return kernels
+
+
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (64, 32), (128, 16), (48, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int4_writes_in_c_give_the_torch_paths_bytes(head_dim, block_size, dtype):
+    """Decode writes (one token a block), prefill writes (several tokens a block, fresh blocks),
+    tokens far outside a block's range (re-fits), on a recycled pool; then compaction moves."""
+    kernels = _kernels_or_skip()
+    ref = make_kv_format("int4", head_dim, block_size, dtype)
+    fast = make_kv_format("int4", head_dim, block_size, dtype)
+    fast.use_kernels(kernels)
+    assert fast.kernels is not None and ref.kernels is None
+    g = torch.Generator().manual_seed(head_dim + block_size)
+    num_blocks, hkv = 20, 3
+    slow_pool = torch.randint(0, 256, (2, 2, num_blocks, block_size, hkv, ref.spec().row_width), dtype=torch.uint8,
+                              generator=g)
+    fast_pool = slow_pool.clone()
+    refits = 0
+    for i in range(36):
+        if i % 3 == 0:
+            slots = torch.randperm(num_blocks * block_size, generator=g)[:40]
+        else:
+            slots = torch.randperm(num_blocks, generator=g)[:4] * block_size + torch.randint(0, block_size, (4,),
+                                                                                             generator=g)
+        spread = torch.rand(1, hkv, head_dim, generator=g) * (8 if i % 5 == 0 else 1)
+        x = (torch.randn(len(slots), hkv, head_dim, generator=g) * spread
+             + torch.randn(1, hkv, head_dim, generator=g)).to(dtype)
+        before = ref._key_param_bytes(slow_pool[0, 0]).clone()
+        for kv in (0, 1):
+            ref.write(slow_pool[0, kv], x, slots, key=kv == 0)
+            fast.write(fast_pool[0, kv], x, slots, key=kv == 0)
+            assert torch.equal(fast_pool, slow_pool), f"write {i}, {'keys' if kv == 0 else 'values'}"
+        refits += int(not torch.equal(ref._key_param_bytes(slow_pool[0, 0]), before))
+    assert refits > 0
+    src = torch.randperm(num_blocks * block_size, generator=g)[:30]
+    dst = torch.randperm(num_blocks * block_size, generator=g)[:30]
+    ref.move_slots(slow_pool, src, dst)
+    fast.move_slots(fast_pool, src, dst)
+    assert torch.equal(fast_pool, slow_pool)
+
+
+def test_int4_step_codes_are_the_smallest_whose_step_covers():
+    from kvstrata.worker.kv_format import _STEP_TABLE, _decode_step, _encode_step
+
+    codes = torch.arange(256)
+    assert torch.equal(_encode_step(_STEP_TABLE).long(), codes)  # a step exactly on the grid keeps its code
+    above = torch.nextafter(_STEP_TABLE, torch.tensor(float("inf")))
+    assert torch.equal(_encode_step(above).long(), (codes + 1).clamp(max=255))
+    assert _encode_step(torch.tensor([0.0])).item() == 0
+    assert torch.equal(_decode_step(codes.to(torch.uint8)), _STEP_TABLE)
+
+
+@needs_model
+def test_an_int4_engine_on_cpu_writes_its_pool_in_c_with_the_torch_paths_output():
+    from kvstrata import LLM
+
+    kernels = _kernels_or_skip()
+    engines = [LLM("smollm2-135m", kv_dtype="int4", num_gpu_blocks=96) for _ in range(2)]
+    assert engines[0].engine.runner.kv_format.kernels is kernels
+    engines[1].engine.runner.kv_format.use_kernels(None)  # the torch reference path
+    outputs = [_chat(e, PROMPTS) for e in engines]
+    assert outputs[0] == outputs[1]
+    assert all(len(t) > 0 for t in outputs[0])
+    for e in engines:
+        e.check_integrity()

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_attention.c", "dense_decode.c", "prefill_attention.c", "gemm.c", "norm.c", "rope.c",
-                         "layer.c", "block_copy.c", "crc32.c", "argmax.c", "bf16_ops.c", "amx_gemm.c")]
+                         "layer.c", "block_copy.c", "crc32.c", "argmax.c", "bf16_ops.c", "amx_gemm.c",
+                         "int4_write.c")]
 # part of the build's identity, not compiled alone
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vec.h", "kv_rows.h")]
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds
@@ -111,6 +112,12 @@ class CpuKernels:
         lib.kvs_crc32.restype = lib.kvs_copy_crc32.restype = ctypes.c_uint32
         lib.kvs_argmax_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         lib.kvs_argmax_f32.restype = ctypes.c_int64
+        lib.kvs_int4_write_keys.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [
+            ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        lib.kvs_int4_write_keys.restype = ctypes.c_int
+        lib.kvs_int4_write_values.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [
+            ctypes.c_int64, ctypes.c_void_p]
+        lib.kvs_int4_write_values.restype = None
         lib.kvs_crc32_fast.argtypes = []
         lib.kvs_crc32_fast.restype = ctypes.c_int
         # whether crc32 beats zlib's here (carry-less multiplies); without, the same values, slower
@@ -169,6 +176,21 @@ class CpuKernels:
         else:
             self._lib.kvs_paged_decode_f32(*common)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+    def int4_write(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor,
+                   key: bool, value_group: int, starts_blocks: bool = True) -> None:
+        """Int4Format.write in one C pass (csrc/int4_write.c), the same bytes: cache [N, bs, Hkv, W]
+        uint8, dense; x [T, Hkv, D]; slots [T]; steps the 256 step codes' values, increasing."""
+        _, bs, hkv, width = cache.shape
+        head_dim = x.shape[-1]
+        if not cache.is_contiguous() or cache.dtype != torch.uint8 or x.shape[1] != hkv or head_dim > 256:
+            raise ValueError("int4_write needs a dense uint8 pool of the tokens' heads and head_dim <= 256")
+        xf, ids, table = x.float().contiguous(), _dense_int64(slots), steps.contiguous()
+        args = (xf.data_ptr(), ids.data_ptr(), len(ids), table.data_ptr())
+        if not key:
+            self._lib.kvs_int4_write_values(cache.data_ptr(), hkv, head_dim, width, value_group, *args)
+        elif self._lib.kvs_int4_write_keys(cache.data_ptr(), bs, hkv, head_dim, width, *args, int(starts_blocks)):
+            raise MemoryError("int4_write: out of memory for a write's scratch")
 
     def paged_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                       prefills: PrefillArrays, scale: float) -> bool:

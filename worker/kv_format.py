@@ -22,6 +22,7 @@ of 16-bit); from blocks of 32, E = 4 (36 bytes, 0.28x). Everything here is plain
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -82,6 +83,9 @@ class KVFormat(ABC):
     def int4_value_group(self) -> int | None:
         """Channels per int4 value scale, for the C decode kernel; None for other formats."""
         return None
+
+    def use_kernels(self, kernels) -> None:
+        """The runner's CpuKernels, for formats that write a CPU pool in C; others ignore it."""
 
     def bytes_per_token_head(self) -> int:
         """Bytes of one token's K (or V) for one head, scales included."""
@@ -172,6 +176,12 @@ class Int4Format(KVFormat):
             raise ValueError(f"kv_dtype int4 needs an even head_dim, got {head_dim}")
         self.v_group = int4_value_group(head_dim, block_size)
         self.extra = int4_row_extra_bytes(head_dim, block_size)
+        # on a CPU pool, writes go through csrc/int4_write.c (the same bytes) when set; this torch
+        # code stays the reference and serves other devices
+        self.kernels = None
+
+    def use_kernels(self, kernels) -> None:
+        self.kernels = kernels if kernels is not None and self.head_dim <= 256 else None
 
     def spec(self) -> CacheSpec:
         return CacheSpec(self.head_dim // 2 + self.extra, torch.uint8)
@@ -199,7 +209,9 @@ class Int4Format(KVFormat):
             self._write_keys(cache, x, dst, starts_blocks=False)
 
     def write(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, key: bool) -> None:
-        if key:
+        if self.kernels is not None and cache.device.type == "cpu":
+            self.kernels.int4_write(cache, x, slots, _STEP_TABLE, key, self.v_group)
+        elif key:
             self._write_keys(cache, x, slots, starts_blocks=True)
         else:
             self._write_values(cache, x, slots)
@@ -247,6 +259,8 @@ class Int4Format(KVFormat):
     def _write_keys(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, starts_blocks: bool) -> None:
         """starts_blocks: a write at offset 0 starts a fresh block (the engine's writes); without it,
         the written blocks keep the tokens they hold (moves)."""
+        if self.kernels is not None and cache.device.type == "cpu":
+            return self.kernels.int4_write(cache, x, slots, _STEP_TABLE, True, self.v_group, starts_blocks)
         bs, d = self.block_size, self.head_dim
         blocks, inverse = torch.unique(slots // bs, return_inverse=True)  # U touched blocks
         offsets = slots % bs
@@ -291,19 +305,24 @@ _ZERO_UNITS = 2.0
 _KEY_STEP_CANDIDATES = 3
 
 
+# Each step code's step, increasing. Both directions go through this one table (here, in the C
+# kernels, on any device), so that every path agrees to the bit.
+_STEP_TABLE = torch.exp2((torch.arange(256, dtype=torch.float32) - _LOG_BIAS) / _LOG_PER_OCTAVE)
+
+
+@functools.cache
+def _step_table(device: torch.device) -> torch.Tensor:
+    return _STEP_TABLE.to(device)
+
+
 def _decode_step(code: torch.Tensor) -> torch.Tensor:
-    """Step codes (uint8) -> steps (float32)."""
-    return torch.exp2((code.float() - _LOG_BIAS) / _LOG_PER_OCTAVE)
-
-
-_STEP_TABLE = _decode_step(torch.arange(256))  # each step code's step, for the C decode kernel
+    """Step codes (uint8, or long) -> steps (float32)."""
+    return _step_table(code.device)[code.long()]
 
 
 def _encode_step(step: torch.Tensor) -> torch.Tensor:
     """The smallest code whose step is >= `step` (float32, >= 0; 255 at most), as uint8."""
-    code = (torch.log2(step) * _LOG_PER_OCTAVE + _LOG_BIAS).ceil_().clamp_(0, 255)
-    code += (_decode_step(code) < step) & (code < 255)  # log2 and exp2 may round either way
-    return code.to(torch.uint8)
+    return torch.searchsorted(_step_table(step.device), step.contiguous()).clamp_(max=255).to(torch.uint8)
 
 
 def _decode_zero(stored: torch.Tensor) -> torch.Tensor:

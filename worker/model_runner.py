@@ -58,6 +58,7 @@ class ModelRunner:
         if kernels is not None and not kernels.supports(model.dtype, model.num_heads, model.num_kv_heads):
             kernels = None
         self.cpu_kernels = kernels
+        self.kv_format.use_kernels(kernels)
         # rank 0 of a tensor-parallel group: steps go to the other ranks through `comm`, and `group`
         # (a WorkerGroup) checks they are alive and names the rank that died when a step fails
         self.comm: TPComm | None = None

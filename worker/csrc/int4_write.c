@@ -1,0 +1,214 @@
+// Writing int4 K/V rows into the pool (the layout is in worker/kv_format.py's docstring). The same
+// bytes as Int4Format's torch path, which stays the reference and serves other devices: every
+// float operation below is the one torch does, in the same order, and this file is compiled without
+// fused multiply-adds so that none of them rounds differently. A torch write costs some thirty small
+// ops per layer; this is one pass.
+//
+// Values: each token's row holds its codes and one scale code per group of channels.
+// Keys: a block's tokens share a step and zero point per channel, spread over the block's rows. A
+// write dequantizes the block, puts the new tokens in, and re-fits each channel whose range no longer
+// lies within half a step of its grid (then re-quantizes that channel's earlier tokens).
+#ifdef __clang__
+#pragma clang fp contract(off)
+#else
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The step codes: steps[] is the 256 steps in increasing order (kv_format._STEP_TABLE). */
+#define STEP_CODES 256
+/* Zero points are stored in halves of a code. */
+#define ZERO_UNITS 2.0f
+/* The few smallest steps that cover a key channel's range, of which the fit takes the best. */
+#define KEY_STEP_CANDIDATES 3
+
+/* The smallest code whose step is >= s (255 at most). */
+static int encode_step(const float *steps, float s) {
+    int lo = 0, hi = STEP_CODES;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (steps[mid] < s)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < STEP_CODES ? lo : STEP_CODES - 1;
+}
+
+static inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+static inline float maxf(float a, float b) { return a > b ? a : b; }
+
+static void pack_codes(uint8_t *dst, const float *codes, int64_t d) {
+    for (int64_t j = 0; j < d / 2; j++)
+        dst[j] = (uint8_t)((uint8_t)codes[2 * j] | ((uint8_t)codes[2 * j + 1] << 4));
+}
+
+void kvs_int4_write_values(uint8_t *cache, int64_t num_kv_heads, int64_t head_dim, int64_t row_width, int64_t group,
+                           const float *x, const int64_t *slots, int64_t num_tokens, const float *steps) {
+    const int64_t rows = num_tokens * num_kv_heads, d = head_dim;
+#pragma omp parallel for schedule(static) if (rows * d >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * d;
+        uint8_t *row = cache + (slots[r / num_kv_heads] * num_kv_heads + r % num_kv_heads) * row_width;
+        float codes[256];
+        memset(row + d / 2, 0, (size_t)(row_width - d / 2));
+        for (int64_t g = 0; g < d / group; g++) {
+            const float *xg = xr + g * group;
+            float lo = xg[0], hi = xg[0];
+            for (int64_t c = 1; c < group; c++) {
+                lo = xg[c] < lo ? xg[c] : lo;
+                hi = xg[c] > hi ? xg[c] : hi;
+            }
+            // codes -8..7 reach from -8.5 to 7.5 scales within half a step; the scale code rounds up
+            int code = encode_step(steps, maxf(hi / 7.5f, lo / -8.5f));
+            float scale = steps[code];
+            for (int64_t c = 0; c < group; c++)
+                codes[g * group + c] = clampf(nearbyintf(xg[c] / scale), -8.0f, 7.0f) + 8.0f;
+            row[d / 2 + g] = (uint8_t)code;
+        }
+        pack_codes(row, codes, d);
+    }
+}
+
+/* |x - its value| on the grid step * (code - zero), codes 0..15. */
+static float grid_error(float x, float step, float zero) {
+    float code = clampf(nearbyintf(x / step + zero), 0.0f, 15.0f);
+    return fabsf((code - zero) * step - x);
+}
+
+/* A channel's range -> its step code and zero point (in codes, a multiple of 1/ZERO_UNITS);
+   kv_format._fit_key_params says why. */
+static void fit_key_channel(const float *steps, float low, float high, int *code_out, float *zero_out) {
+    const float reach_up = 15.5f + 128 / ZERO_UNITS, reach_down = 127 / ZERO_UNITS + 0.5f;
+    float need = maxf((high - low) / 15.0f, maxf(high / reach_up, low / -reach_down));
+    int first_code = encode_step(steps, need);
+    float best = INFINITY;
+    for (int j = 0; j < KEY_STEP_CANDIDATES; j++) {
+        int code = first_code + j < STEP_CODES ? first_code + j : STEP_CODES - 1;
+        float step = steps[code];
+        float ratio = (high - low) / step;
+        float n = nearbyintf(ratio);
+        n = n > 15.0f ? 15.0f : n;
+        float first = floorf((15.0f - n) / 2.0f);
+        float a = first - low / step, b = (ratio - n) / 2.0f;
+        float zero = clampf(nearbyintf((a - b) * ZERO_UNITS), -128.0f, 127.0f) / ZERO_UNITS;
+        float cost = maxf(grid_error(low, step, zero), grid_error(high, step, zero)) + step / 4.0f;
+        if (j == 0 || cost < best) {
+            best = cost;
+            *code_out = code;
+            *zero_out = zero;
+        }
+    }
+}
+
+typedef struct {
+    int64_t block, token;
+} BlockToken;
+
+static int by_block_then_token(const void *a, const void *b) {
+    const BlockToken *p = a, *q = b;
+    if (p->block != q->block) return p->block < q->block ? -1 : 1;
+    return p->token < q->token ? -1 : (p->token > q->token);
+}
+
+/* One block's keys of one head: the block's rows dequantized into held [bs, D], then `n` tokens
+   (ts[i].token of x, each at its slot's offset), a re-fit where needed, and the block written back. */
+static void write_block_keys(uint8_t *cache, int64_t bs, int64_t hkv, int64_t d, int64_t width, const float *x,
+                             const int64_t *slots, const BlockToken *ts, int64_t n, int64_t head, const float *steps,
+                             int starts_blocks, float *held, uint8_t *params) {
+    const int64_t extra = width - d / 2, block = ts[0].block;
+    uint8_t *base = cache + block * bs * hkv * width + head * width;
+#define ROW(o) (base + (o) * hkv * width)
+    for (int64_t j = 0; j < bs * extra; j++) params[j] = ROW(j / extra)[d / 2 + j % extra];
+    int fresh = 0;
+    for (int64_t i = 0; i < n; i++) fresh |= starts_blocks && slots[ts[i].token] % bs == 0;
+    if (fresh) {
+        // a recycled block's rows take a new token's value, so the block's range is its own tokens'
+        const float *first = x + (ts[0].token * hkv + head) * d;
+        for (int64_t o = 0; o < bs; o++) memcpy(held + o * d, first, (size_t)d * sizeof(float));
+    } else {
+        for (int64_t o = 0; o < bs; o++) {
+            const uint8_t *row = ROW(o);
+            for (int64_t c = 0; c < d; c++) {
+                float code = (float)((row[c / 2] >> (4 * (c & 1))) & 15);
+                held[o * d + c] = (code - (float)(int8_t)params[d + c] / ZERO_UNITS) * steps[params[c]];
+            }
+        }
+    }
+    for (int64_t i = 0; i < n; i++)
+        memcpy(held + (slots[ts[i].token] % bs) * d, x + (ts[i].token * hkv + head) * d, (size_t)d * sizeof(float));
+    for (int64_t c = 0; c < d; c++) {
+        float low = held[c], high = held[c];
+        for (int64_t o = 1; o < bs; o++) {
+            float v = held[o * d + c];
+            low = v < low ? v : low;
+            high = v > high ? v : high;
+        }
+        float step = steps[params[c]], zero = (float)(int8_t)params[d + c] / ZERO_UNITS;
+        // a channel keeps its grid, and so its earlier codes, while its values lie within half a step of it
+        if (fresh || !(low >= (-0.5f - zero) * step && high <= (15.5f - zero) * step)) {
+            int code;
+            fit_key_channel(steps, low, high, &code, &zero);
+            params[c] = (uint8_t)code;
+            params[d + c] = (uint8_t)(int8_t)nearbyintf(zero * ZERO_UNITS);
+        }
+    }
+    memset(params + 2 * d, 0, (size_t)(bs * extra - 2 * d));
+    float codes[256];
+    for (int64_t o = 0; o < bs; o++) {
+        uint8_t *row = ROW(o);
+        for (int64_t c = 0; c < d; c++) {
+            float step = steps[params[c]], zero = (float)(int8_t)params[d + c] / ZERO_UNITS;
+            codes[c] = clampf(nearbyintf(held[o * d + c] / step + zero), 0.0f, 15.0f);
+        }
+        pack_codes(row, codes, d);
+        memcpy(row + d / 2, params + o * extra, (size_t)extra);
+    }
+#undef ROW
+}
+
+/* Returns 0, or -1 when out of memory (then nothing is written). */
+int kvs_int4_write_keys(uint8_t *cache, int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t row_width,
+                        const float *x, const int64_t *slots, int64_t num_tokens, const float *steps,
+                        int starts_blocks) {
+    const int64_t bs = block_size, d = head_dim, extra = row_width - d / 2;
+    const int64_t threads = omp_get_max_threads();
+    const size_t scratch = (size_t)(bs * d) * sizeof(float) + (size_t)(bs * extra);  // held, then params
+    BlockToken *ts = malloc((size_t)num_tokens * sizeof *ts);
+    int64_t *starts = malloc((size_t)(num_tokens + 1) * sizeof *starts);
+    char *buffers = malloc((size_t)threads * scratch);
+    if (ts == NULL || starts == NULL || buffers == NULL) {
+        free(ts);
+        free(starts);
+        free(buffers);
+        return -1;
+    }
+    for (int64_t i = 0; i < num_tokens; i++) ts[i] = (BlockToken){slots[i] / bs, i};
+    qsort(ts, (size_t)num_tokens, sizeof *ts, by_block_then_token);
+    int64_t num_blocks = 0;
+    for (int64_t i = 0; i < num_tokens; i++)
+        if (i == 0 || ts[i].block != ts[i - 1].block) starts[num_blocks++] = i;
+    starts[num_blocks] = num_tokens;
+    const int64_t tasks = num_blocks * num_kv_heads;
+#pragma omp parallel num_threads(threads) if (tasks * bs * d >= 65536)
+    {
+        char *mine = buffers + (size_t)omp_get_thread_num() * scratch;
+        float *held = (float *)mine;
+        uint8_t *params = (uint8_t *)(mine + (size_t)(bs * d) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t b = t / num_kv_heads;
+            write_block_keys(cache, bs, num_kv_heads, d, row_width, x, slots, ts + starts[b], starts[b + 1] - starts[b],
+                             t % num_kv_heads, steps, starts_blocks, held, params);
+        }
+    }
+    free(ts);
+    free(starts);
+    free(buffers);
+    return 0;
+}
