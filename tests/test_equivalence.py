@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvstrata import SamplingParams
 from tests.conftest import hf_greedy
@@ -160,3 +161,18 @@ def _decode_meta(rows: int):
 
     return SimpleNamespace(prefills=[], num_decodes=rows, cpu_kernels=object(), attention_observer=None,
                            decode_block_tables=object())
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2", "int4"])
+def test_fused_decode_layers_write_and_read_quantized_kv_with_the_same_bits(prompt_ids, kv_dtype):
+    """float32 layers run fused over quantized pools too: RoPE in place, then the rows written by
+    csrc/kv_write.c (the format's own bytes) and read by the decode kernel."""
+    from kvstrata import LLM
+
+    quantized = LLM("smollm2-135m", num_gpu_blocks=64, kv_dtype=kv_dtype)
+    fused = quantized.engine.runner.model.fused_decode
+    if fused is None:
+        pytest.skip("needs the CPU kernels and packed weights")
+    assert fused.kv_kind(quantized.engine.runner.kv_format, torch.uint8) is not None
+    _fused_matches_call_by_call(quantized, prompt_ids)
+    quantized.check_integrity()

@@ -584,6 +584,31 @@ def test_int4_writes_in_c_give_the_torch_paths_bytes(head_dim, block_size, dtype
     assert torch.equal(fast_pool, slow_pool)
 
 
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_code_rows_written_in_c_give_the_torch_paths_bytes(name, dtype):
+    """Rows whose fp16 scale is normal, subnormal, zero or infinite (magnitudes 1e-12 to 1e7), and
+    codes that land on fp8 subnormals and on ties."""
+    kernels = _kernels_or_skip()
+    ref, fast = make_kv_format(name, D, BS, dtype), make_kv_format(name, D, BS, dtype)
+    fast.use_kernels(kernels)
+    g = torch.Generator().manual_seed(11)
+    slow_pool = torch.randint(0, 256, (50, BS, HKV, D + 2), dtype=torch.uint8, generator=g)
+    fast_pool = slow_pool.clone()
+    for i in range(120):
+        slots = torch.randperm(50 * BS, generator=g)[:8]
+        magnitude = 10.0 ** torch.randint(-12, 8, (8, HKV, 1), generator=g).float()
+        x = torch.randn(8, HKV, D, generator=g) * magnitude
+        x[torch.rand(x.shape, generator=g) < 0.05] = 0
+        if i % 10 == 0:
+            x[:, 0] = 0  # a row of zeros: scale 0, codes 0
+        if i % 7 == 0:  # values on the grid's midpoints
+            x = torch.round(torch.randn(8, HKV, D, generator=g) * 20) / 2
+        ref.write(slow_pool, x.to(dtype), slots, key=True)
+        fast.write(fast_pool, x.to(dtype), slots, key=True)
+        assert torch.equal(fast_pool, slow_pool), f"write {i}"
+
+
 def test_int4_step_codes_are_the_smallest_whose_step_covers():
     from kvstrata.worker.kv_format import _STEP_TABLE, _decode_step, _encode_step
 

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_attention.c", "dense_decode.c", "prefill_attention.c", "gemm.c", "norm.c", "rope.c",
                          "layer.c", "block_copy.c", "crc32.c", "argmax.c", "bf16_ops.c", "amx_gemm.c",
-                         "int4_write.c")]
+                         "kv_write.c")]
 # part of the build's identity, not compiled alone
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vec.h", "kv_rows.h")]
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds
@@ -98,7 +98,8 @@ class CpuKernels:
         lib.kvs_layer_attention.argtypes = [ctypes.c_void_p] * 4
         lib.kvs_layer_mlp.argtypes = [ctypes.c_void_p] * 2
         lib.kvs_layer_bf16.argtypes = [ctypes.c_void_p] * 4  # bf16: the whole layer, the same four pointers
-        lib.kvs_layer_attention.restype = lib.kvs_layer_mlp.restype = lib.kvs_layer_bf16.restype = None
+        lib.kvs_layer_attention.restype = ctypes.c_int
+        lib.kvs_layer_mlp.restype = lib.kvs_layer_bf16.restype = None
         self.layer_attention, self.layer_mlp, self.layer_bf16 = (lib.kvs_layer_attention, lib.kvs_layer_mlp,
                                                                  lib.kvs_layer_bf16)
         lib.kvs_paged_prefill_f32.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
@@ -112,12 +113,13 @@ class CpuKernels:
         lib.kvs_crc32.restype = lib.kvs_copy_crc32.restype = ctypes.c_uint32
         lib.kvs_argmax_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         lib.kvs_argmax_f32.restype = ctypes.c_int64
-        lib.kvs_int4_write_keys.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [
-            ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        rows = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # x, its stride, slots, tokens
+        lib.kvs_int4_write_keys.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + rows + [ctypes.c_void_p,
+                                                                                               ctypes.c_int]
         lib.kvs_int4_write_keys.restype = ctypes.c_int
-        lib.kvs_int4_write_values.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [
-            ctypes.c_int64, ctypes.c_void_p]
-        lib.kvs_int4_write_values.restype = None
+        lib.kvs_int4_write_values.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + rows + [ctypes.c_void_p]
+        lib.kvs_codes_write.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + rows + [ctypes.c_int, ctypes.c_float]
+        lib.kvs_int4_write_values.restype = lib.kvs_codes_write.restype = None
         lib.kvs_crc32_fast.argtypes = []
         lib.kvs_crc32_fast.restype = ctypes.c_int
         # whether crc32 beats zlib's here (carry-less multiplies); without, the same values, slower
@@ -179,18 +181,32 @@ class CpuKernels:
 
     def int4_write(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor,
                    key: bool, value_group: int, starts_blocks: bool = True) -> None:
-        """Int4Format.write in one C pass (csrc/int4_write.c), the same bytes: cache [N, bs, Hkv, W]
+        """Int4Format.write in one C pass (csrc/kv_write.c), the same bytes: cache [N, bs, Hkv, W]
         uint8, dense; x [T, Hkv, D]; slots [T]; steps the 256 step codes' values, increasing."""
         _, bs, hkv, width = cache.shape
         head_dim = x.shape[-1]
         if not cache.is_contiguous() or cache.dtype != torch.uint8 or x.shape[1] != hkv or head_dim > 256:
             raise ValueError("int4_write needs a dense uint8 pool of the tokens' heads and head_dim <= 256")
         xf, ids, table = x.float().contiguous(), _dense_int64(slots), steps.contiguous()
-        args = (xf.data_ptr(), ids.data_ptr(), len(ids), table.data_ptr())
+        args = (xf.data_ptr(), hkv * head_dim, ids.data_ptr(), len(ids), table.data_ptr())
         if not key:
             self._lib.kvs_int4_write_values(cache.data_ptr(), hkv, head_dim, width, value_group, *args)
         elif self._lib.kvs_int4_write_keys(cache.data_ptr(), bs, hkv, head_dim, width, *args, int(starts_blocks)):
             raise MemoryError("int4_write: out of memory for a write's scratch")
+
+    # ScaledRowFormat's codes, by name, for codes_write (csrc/kv_write.c)
+    CODE_KINDS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}
+
+    def codes_write(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, name: str,
+                    max_code: float) -> None:
+        """ScaledRowFormat.write in one C pass, the same bytes: cache [N, bs, Hkv, D + 2] uint8, dense;
+        x [T, Hkv, D]; name "int8", "fp8_e4m3" or "fp8_e5m2"."""
+        hkv, head_dim = x.shape[1:]
+        if not cache.is_contiguous() or cache.dtype != torch.uint8 or cache.shape[-2:] != (hkv, head_dim + 2):
+            raise ValueError("codes_write needs a dense uint8 pool of rows of the tokens' heads")
+        xf, ids = x.float().contiguous(), _dense_int64(slots)
+        self._lib.kvs_codes_write(cache.data_ptr(), hkv, head_dim, xf.data_ptr(), hkv * head_dim, ids.data_ptr(),
+                                  len(ids), self.CODE_KINDS[name], max_code)
 
     def paged_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                       prefills: PrefillArrays, scale: float) -> bool:

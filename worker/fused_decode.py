@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.worker.cpu_kernels import CpuKernels, PackedWeight
+from kvstrata.worker.kv_format import Int4Format, KVFormat, ScaledRowFormat
 
 if TYPE_CHECKING:
     from kvstrata.worker.attention import AttentionMetadata
@@ -34,7 +35,9 @@ class _DecodeStep(ctypes.Structure):
                                                      "num_kv_heads", "head_dim", "block_size", "table_width")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(name, _P) for name in ("cos", "ssin", "slots", "block_tables", "seq_lens", "residual", "x",
-                                           "qkv", "attn", "o", "gate_up", "act", "wide_in", "wide_out")])
+                                           "qkv", "attn", "o", "gate_up", "act", "wide_in", "wide_out")]
+                + [("kv_kind", ctypes.c_int64), ("kv_table", _P), ("kv_extra", ctypes.c_int64),
+                   ("kv_group", ctypes.c_int64), ("kv_max_code", ctypes.c_float)])
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -85,6 +88,18 @@ class FusedDecode:
             return None
         return FusedDecode(kernels, model)
 
+    def kv_kind(self, fmt: KVFormat | None, cache_dtype: torch.dtype) -> int | None:
+        """How the C layer writes and reads the pool (csrc/layer.c's kv_kind): 0 rows of the model's
+        dtype; in float32 models also 1-3 one-byte codes (int8, fp8 e4m3, e5m2) and 4 int4; None
+        for any other pool, which runs call by call."""
+        if fmt is None or fmt.is_plain:
+            return 0 if cache_dtype == self.dtype else None
+        if self.dtype != torch.float32:
+            return None
+        if isinstance(fmt, Int4Format):
+            return 4
+        return CpuKernels.CODE_KINDS.get(fmt.name) if isinstance(fmt, ScaledRowFormat) else None
+
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """A decode-only step whose attention runs in the C kernel, with nobody watching the scores
         (and, in bf16, few enough rows for the packed GEMM)."""
@@ -95,7 +110,7 @@ class FusedDecode:
     def forward(self, residual: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
         """residual [T, hidden] (updated in place to the last layer's output) and x its normed copy;
-        kv_cache [L, 2, blocks, block_size, Hkv, D] of the model's dtype, dense; the slots already checked."""
+        kv_cache [L, 2, blocks, block_size, Hkv, W] of a kind `kv_kind` names, dense; the slots already checked."""
         m = self.model
         tokens, hidden = residual.shape
         q_size = m.num_heads * self.head_dim
@@ -118,6 +133,13 @@ class FusedDecode:
                            residual.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), o.data_ptr(),
                            gate_up.data_ptr(), act.data_ptr(), None if wide_in is None else wide_in.data_ptr(),
                            None if wide_out is None else wide_out.data_ptr())
+        fmt = meta.kv_format
+        step.kv_kind = self.kv_kind(fmt, kv_cache.dtype)
+        if step.kv_kind:
+            table = fmt.code_table.contiguous()
+            self._kv_table = table  # alive while the step runs
+            step.kv_table, step.kv_max_code = table.data_ptr(), getattr(fmt, "max_code", 0.0)
+            step.kv_extra, step.kv_group = getattr(fmt, "extra", 0), fmt.int4_value_group or 0
         sp = ctypes.byref(step)
         base, elt = kv_cache.data_ptr(), kv_cache.element_size()
         layer_bytes, kv_bytes = kv_cache.stride(0) * elt, kv_cache.stride(1) * elt
@@ -129,6 +151,7 @@ class FusedDecode:
         gate, up = gate_up[:, : self.inter], gate_up[:, self.inter :]
         for i, ref in enumerate(self._refs):
             k_ptr = base + i * layer_bytes
-            self._attention(ref, sp, k_ptr, k_ptr + kv_bytes)
+            if self._attention(ref, sp, k_ptr, k_ptr + kv_bytes):
+                raise MemoryError("fused decode: no memory for the int4 K/V write's scratch")
             torch.mul(F.silu(gate), up, out=act)
             self._mlp(ref, sp)

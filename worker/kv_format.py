@@ -134,6 +134,10 @@ class ScaledRowFormat(KVFormat):
         self.fp8, self.max_code = _FP8[name] if name in _FP8 else (None, 127.0)
         codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
         self._table = (codes.view(torch.int8) if self.fp8 is None else codes.view(self.fp8)).float()
+        self.kernels = None  # as Int4Format's: writes to a CPU pool in C when set
+
+    def use_kernels(self, kernels) -> None:
+        self.kernels = kernels
 
     def spec(self) -> CacheSpec:
         return CacheSpec(self.head_dim + 2, torch.uint8)
@@ -143,6 +147,8 @@ class ScaledRowFormat(KVFormat):
         return self._table
 
     def write(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, key: bool) -> None:
+        if self.kernels is not None and cache.device.type == "cpu":
+            return self.kernels.codes_write(cache, x, slots, self.name, self.max_code)
         xf = x.float()  # [T, Hkv, D]
         scale = (xf.abs().amax(-1, keepdim=True) / self.max_code).half()  # [T, Hkv, 1]
         inv = _inverse(scale.float())
@@ -176,7 +182,7 @@ class Int4Format(KVFormat):
             raise ValueError(f"kv_dtype int4 needs an even head_dim, got {head_dim}")
         self.v_group = int4_value_group(head_dim, block_size)
         self.extra = int4_row_extra_bytes(head_dim, block_size)
-        # on a CPU pool, writes go through csrc/int4_write.c (the same bytes) when set; this torch
+        # on a CPU pool, writes go through csrc/kv_write.c (the same bytes) when set; this torch
         # code stays the reference and serves other devices
         self.kernels = None
 

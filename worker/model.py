@@ -140,8 +140,9 @@ class LlamaModel:
         qk_size = self.q_size + self.kv_size
         fused_rope = self._fused_rope(kv_cache, meta)
         x = self._rms_norm(residual, self.layers[0].input_norm)
-        if (fused_rope and self.fused_decode is not None and self.all_reduce is None  # set after load at TP
-                and kv_cache.is_contiguous() and self.fused_decode.takes(meta, num_tokens)):
+        if (self.fused_decode is not None and self.all_reduce is None  # set after load at TP
+                and kv_cache.is_contiguous() and self.fused_decode.takes(meta, num_tokens)
+                and (fused_rope or self._quantized_rows_in_c(kv_cache, meta))):
             self.fused_decode.forward(residual, x, cos, sin, meta, kv_cache)
             return residual
         for i, layer in enumerate(self.layers):
@@ -179,6 +180,18 @@ class LlamaModel:
         if (self.cpu_kernels is None or kv_cache.dtype != self.dtype or self.config.head_dim % 2
                 or self.config.head_dim > 256 or (meta.kv_format is not None and not meta.kv_format.is_plain)):
             return False
+        return self._slots_checked(kv_cache, meta)
+
+    def _quantized_rows_in_c(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether a fused decode step can rotate, write and read this pool's quantized rows in C
+        (FusedDecode.kv_kind); its slots are checked here."""
+        if (self.cpu_kernels is None or self.config.head_dim % 2 or self.config.head_dim > 256
+                or self.fused_decode.kv_kind(meta.kv_format, kv_cache.dtype) is None):
+            return False
+        return self._slots_checked(kv_cache, meta)
+
+    @staticmethod
+    def _slots_checked(kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
         slots = meta.slot_mapping
         capacity = kv_cache.shape[2] * kv_cache.shape[3]
         if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < capacity):

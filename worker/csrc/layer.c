@@ -1,4 +1,4 @@
-/* A decode-only step's layer in few calls, packed weights, plain K/V rows. float32, two calls:
+/* A decode-only step's layer in few calls, packed weights. float32, two calls:
  *
  *   kvs_layer_attention:  qkv = x Wqkv^T (+ b); RoPE and the K/V write; attention; o = attn Wo^T;
  *                         residual += o; x = norm(residual) * post_norm; gate_up = x Wgu^T
@@ -9,6 +9,9 @@
  * bf16, one call (kvs_layer_bf16): the same stages with csrc/bf16_ops.c's rounding, the SiLU gate
  * included; the GEMM and attention read float32, so their inputs are widened into `wide_in` and
  * their outputs, in `wide_out`, rounded back, as CpuKernels.gemm and paged_decode do from Python.
+ *
+ * float32 also takes quantized K/V (kv_kind): rows of one-byte codes with a scale (int8, fp8) or int4,
+ * rotated in place, written by csrc/kv_write.c and read by the decode kernel's row formats.
  *
  * Each stage is the same kernel the step would call one by one from Python, on the same buffers
  * in the same order, so the results are the same bits; what goes away is the Python and ctypes
@@ -26,6 +29,22 @@ void kvs_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache
                           const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
                           int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width,
                           float scale);
+void kvs_paged_decode_codes(const float *q, int64_t q_stride, const uint8_t *k_cache, const uint8_t *v_cache,
+                            const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width,
+                            float scale, const float *lut);
+void kvs_paged_decode_int4(const float *q, int64_t q_stride, const uint8_t *k_cache, const uint8_t *v_cache,
+                           const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width,
+                           float scale, const float *lut, int64_t extra, int64_t v_group);
+void kvs_codes_write(uint8_t *cache, int64_t num_kv_heads, int64_t head_dim, const float *x, int64_t x_stride,
+                     const int64_t *slots, int64_t num_tokens, int kind, float max_code);
+int kvs_int4_write_keys(uint8_t *cache, int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t row_width,
+                        const float *x, int64_t x_stride, const int64_t *slots, int64_t num_tokens,
+                        const float *steps, int starts_blocks);
+void kvs_int4_write_values(uint8_t *cache, int64_t num_kv_heads, int64_t head_dim, int64_t row_width, int64_t group,
+                           const float *x, int64_t x_stride, const int64_t *slots, int64_t num_tokens,
+                           const float *steps);
 void kvs_add_rms_norm_f32(const float *x, float *residual, const float *w, float *out, int64_t rows, int64_t n,
                           float eps);
 void kvs_gemm_bf16(const float *x, const uint16_t *wp, const float *bias, float *y, int64_t m, int64_t n, int64_t k);
@@ -56,18 +75,52 @@ typedef struct {
     const int64_t *slots, *block_tables, *seq_lens;
     void *residual, *x, *qkv, *attn, *o, *gate_up, *act; /* [tokens, ...] of the model's dtype */
     float *wide_in, *wide_out; /* bf16: [tokens, max(hidden, inter, H * D)] and [tokens, max(qkv_n, 2 inter)] */
+    int64_t kv_kind;           /* 0: rows of the model's dtype; 1-3: codes (kvs_codes_write's kinds); 4: int4 */
+    const float *kv_table;     /* codes: each code's value; int4: each step code's step */
+    int64_t kv_extra, kv_group; /* int4: scale bytes a row, channels a value scale */
+    float kv_max_code;         /* codes: the value a row's largest magnitude maps to */
 } DecodeStep;
 
-void kvs_layer_attention(const LayerWeights *w, const DecodeStep *s, float *k_cache, float *v_cache) {
+enum { KV_PLAIN = 0, KV_INT4 = 4 };
+
+/* RoPE, the K/V write and attention of quantized rows: the rows rotated in place, then written from
+ * there. Returns 0, or -1 when the int4 write found no memory for its scratch (nothing written). */
+static int quantized_attention(const DecodeStep *s, uint8_t *k_cache, uint8_t *v_cache) {
+    int64_t t = s->tokens, hq = s->num_heads, hkv = s->num_kv_heads, d = s->head_dim, bs = s->block_size;
+    float *qkv = s->qkv;
+    kvs_rope_write_kv_f32(qkv, t, s->qkv_n, hq, hkv, d, s->cos, s->ssin, NULL, NULL, s->slots);
+    const float *k = qkv + hq * d, *v = k + hkv * d;
+    if (s->kv_kind == KV_INT4) {
+        int64_t width = d / 2 + s->kv_extra;
+        if (kvs_int4_write_keys(k_cache, bs, hkv, d, width, k, s->qkv_n, s->slots, t, s->kv_table, 1)) return -1;
+        kvs_int4_write_values(v_cache, hkv, d, width, s->kv_group, v, s->qkv_n, s->slots, t, s->kv_table);
+        kvs_paged_decode_int4(qkv, s->qkv_n, k_cache, v_cache, s->block_tables, s->seq_lens, s->attn, t, hq, hkv, d,
+                              bs, s->table_width, s->scale, s->kv_table, s->kv_extra, s->kv_group);
+    } else {
+        kvs_codes_write(k_cache, hkv, d, k, s->qkv_n, s->slots, t, (int)s->kv_kind, s->kv_max_code);
+        kvs_codes_write(v_cache, hkv, d, v, s->qkv_n, s->slots, t, (int)s->kv_kind, s->kv_max_code);
+        kvs_paged_decode_codes(qkv, s->qkv_n, k_cache, v_cache, s->block_tables, s->seq_lens, s->attn, t, hq, hkv, d,
+                               bs, s->table_width, s->scale, s->kv_table);
+    }
+    return 0;
+}
+
+/* Returns 0, or -1 when a quantized write found no memory (the layer stops there). */
+int kvs_layer_attention(const LayerWeights *w, const DecodeStep *s, void *k_cache, void *v_cache) {
     int64_t t = s->tokens, h = s->hidden;
     kvs_gemm_f32(s->x, w->qkv, w->qkv_bias, s->qkv, t, s->qkv_n, h);
-    kvs_rope_write_kv_f32(s->qkv, t, s->qkv_n, s->num_heads, s->num_kv_heads, s->head_dim, s->cos, s->ssin, k_cache,
-                          v_cache, s->slots);
-    kvs_paged_decode_f32(s->qkv, s->qkv_n, k_cache, v_cache, s->block_tables, s->seq_lens, s->attn, t, s->num_heads,
-                         s->num_kv_heads, s->head_dim, s->block_size, s->table_width, s->scale);
+    if (s->kv_kind == KV_PLAIN) {
+        kvs_rope_write_kv_f32(s->qkv, t, s->qkv_n, s->num_heads, s->num_kv_heads, s->head_dim, s->cos, s->ssin,
+                              k_cache, v_cache, s->slots);
+        kvs_paged_decode_f32(s->qkv, s->qkv_n, k_cache, v_cache, s->block_tables, s->seq_lens, s->attn, t,
+                             s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, s->table_width, s->scale);
+    } else if (quantized_attention(s, k_cache, v_cache)) {
+        return -1;
+    }
     kvs_gemm_f32(s->attn, w->o_proj, NULL, s->o, t, h, s->num_heads * s->head_dim);
     kvs_add_rms_norm_f32(s->o, s->residual, w->post_norm, s->x, t, h, s->eps);
     kvs_gemm_f32(s->x, w->gate_up, NULL, s->gate_up, t, 2 * s->inter, h);
+    return 0;
 }
 
 void kvs_layer_mlp(const LayerWeights *w, const DecodeStep *s) {

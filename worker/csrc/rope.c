@@ -25,7 +25,8 @@ __attribute__((optimize("fp-contract=off"))) static void rotate_row(float *x, co
     }
 }
 
-/* cos, ssin: [T, D]; slots: [T] (block * block_size + offset); d <= 256 and even. */
+/* cos, ssin: [T, D]; slots: [T] (block * block_size + offset); d <= 256 and even. Without caches
+ * (NULL), only the rotation: quantized rows are written by csrc/kv_write.c. */
 void kvs_rope_write_kv_f32(float *qkv, int64_t tokens, int64_t row, int64_t num_heads, int64_t num_kv_heads,
                            int64_t d, const float *cos, const float *ssin, float *k_cache, float *v_cache,
                            const int64_t *slots) {
@@ -34,6 +35,7 @@ void kvs_rope_write_kv_f32(float *qkv, int64_t tokens, int64_t row, int64_t num_
     for (int64_t t = 0; t < tokens; t++) {
         float *x = qkv + t * row;
         for (int64_t h = 0; h < num_heads + num_kv_heads; h++) rotate_row(x + h * d, cos + t * d, ssin + t * d, d);
+        if (k_cache == NULL) continue;
         memcpy(k_cache + slots[t] * kv, x + num_heads * d, (size_t)kv * sizeof(float));
         memcpy(v_cache + slots[t] * kv, x + (num_heads + num_kv_heads) * d, (size_t)kv * sizeof(float));
     }

@@ -1,8 +1,12 @@
-// Writing int4 K/V rows into the pool (the layout is in worker/kv_format.py's docstring). The same
-// bytes as Int4Format's torch path, which stays the reference and serves other devices: every
-// float operation below is the one torch does, in the same order, and this file is compiled without
-// fused multiply-adds so that none of them rounds differently. A torch write costs some thirty small
-// ops per layer; this is one pass.
+// Writing quantized K/V rows into the pool (the layouts are in worker/kv_format.py's docstring):
+// one-byte codes with an fp16 scale per row (int8, fp8 e4m3 and e5m2), and int4. The same bytes as
+// the formats' torch code, which stays the reference and serves other devices: every float
+// operation below is the one torch does, in the same order, conversions rounding to nearest even
+// as torch's do, and this file is compiled without fused multiply-adds so that nothing rounds
+// differently. An int4 key write in torch costs some thirty small ops per layer; this is one pass.
+//
+// x, the rows written: token t's Hkv heads of D floats at x + t * x_stride (a view into a fused
+// q/k/v projection is read in place).
 //
 // Values: each token's row holds its codes and one scale code per group of channels.
 // Keys: a block's tokens share a step and zero point per channel, spread over the block's rows. A
@@ -19,6 +23,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kv_rows.h"
 
 /* The step codes: steps[] is the 256 steps in increasing order (kv_format._STEP_TABLE). */
 #define STEP_CODES 256
@@ -43,17 +49,78 @@ static int encode_step(const float *steps, float s) {
 static inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
 static inline float maxf(float a, float b) { return a > b ? a : b; }
 
+/* float32 -> the nearest fp16 bits (ties to even), as torch's .half() */
+static uint16_t f32_to_f16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    uint32_t a = u & 0x7fffffff;
+    if (a > 0x7f800000) return sign | 0x7e00;  /* NaN */
+    if (a >= 0x477ff000) return sign | 0x7c00; /* from 65520 on, infinity */
+    if (a < 0x38800000) {                      /* below 2^-14: a multiple of 2^-24 (1024 of them is the least normal) */
+        float v;
+        memcpy(&v, &a, sizeof v);
+        return sign | (uint16_t)nearbyintf(v * 0x1p24f);
+    }
+    uint32_t r = a - (112u << 23); /* the exponent rebiased from 127 to 15 */
+    return sign | (uint16_t)((r + 0xfff + ((r >> 13) & 1)) >> 13);
+}
+
+/* float32 (within +-448) -> the nearest fp8 code (ties to even): e4m3 (bias 7, 3 mantissa bits) or
+ * e5m2 (bias 15, 2 bits), as torch converts them. */
+static uint8_t f32_to_fp8(float f, int e4m3) {
+    const uint32_t bias = e4m3 ? 7 : 15, shift = e4m3 ? 20 : 21;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    uint32_t a = u & 0x7fffffff;
+    if (a > 0x7f800000) return sign | 0x7f; /* NaN */
+    if (a < (128 - bias) << 23) {            /* below the least normal: a multiple of the least subnormal */
+        float v;
+        memcpy(&v, &a, sizeof v);
+        return sign | (uint8_t)nearbyintf(v * (e4m3 ? 0x1p9f : 0x1p16f));
+    }
+    uint32_t r = a - ((127 - bias) << 23);
+    return sign | (uint8_t)((r + (1u << (shift - 1)) - 1 + ((r >> shift) & 1)) >> shift);
+}
+
+/* Rows of D one-byte codes and the row's fp16 scale (max |x| / max_code): kind 1 int8 (codes
+ * rounded, within +-127), 2 e4m3, 3 e5m2 (within +-max_code, converted). */
+void kvs_codes_write(uint8_t *cache, int64_t num_kv_heads, int64_t head_dim, const float *x, int64_t x_stride,
+                     const int64_t *slots, int64_t num_tokens, int kind, float max_code) {
+    const int64_t rows = num_tokens * num_kv_heads, d = head_dim;
+#pragma omp parallel for schedule(static) if (rows * d >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + (r / num_kv_heads) * x_stride + (r % num_kv_heads) * d;
+        uint8_t *row = cache + (slots[r / num_kv_heads] * num_kv_heads + r % num_kv_heads) * (d + 2);
+        float amax = 0.0f;
+        for (int64_t c = 0; c < d; c++) amax = fabsf(xr[c]) > amax ? fabsf(xr[c]) : amax;
+        uint16_t half = f32_to_f16(amax / max_code);
+        float scale = f16_to_f32(half), inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        for (int64_t c = 0; c < d; c++) {
+            float v = xr[c] * inv;
+            if (kind == 1)
+                row[c] = (uint8_t)(int8_t)clampf(nearbyintf(v), -127.0f, 127.0f);
+            else
+                row[c] = f32_to_fp8(clampf(v, -max_code, max_code), kind == 2);
+        }
+        row[d] = (uint8_t)(half & 0xff);
+        row[d + 1] = (uint8_t)(half >> 8);
+    }
+}
+
 static void pack_codes(uint8_t *dst, const float *codes, int64_t d) {
     for (int64_t j = 0; j < d / 2; j++)
         dst[j] = (uint8_t)((uint8_t)codes[2 * j] | ((uint8_t)codes[2 * j + 1] << 4));
 }
 
 void kvs_int4_write_values(uint8_t *cache, int64_t num_kv_heads, int64_t head_dim, int64_t row_width, int64_t group,
-                           const float *x, const int64_t *slots, int64_t num_tokens, const float *steps) {
+                           const float *x, int64_t x_stride, const int64_t *slots, int64_t num_tokens,
+                           const float *steps) {
     const int64_t rows = num_tokens * num_kv_heads, d = head_dim;
 #pragma omp parallel for schedule(static) if (rows * d >= 65536)
     for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * d;
+        const float *xr = x + (r / num_kv_heads) * x_stride + (r % num_kv_heads) * d;
         uint8_t *row = cache + (slots[r / num_kv_heads] * num_kv_heads + r % num_kv_heads) * row_width;
         float codes[256];
         memset(row + d / 2, 0, (size_t)(row_width - d / 2));
@@ -119,7 +186,7 @@ static int by_block_then_token(const void *a, const void *b) {
 /* One block's keys of one head: the block's rows dequantized into held [bs, D], then `n` tokens
    (ts[i].token of x, each at its slot's offset), a re-fit where needed, and the block written back. */
 static void write_block_keys(uint8_t *cache, int64_t bs, int64_t hkv, int64_t d, int64_t width, const float *x,
-                             const int64_t *slots, const BlockToken *ts, int64_t n, int64_t head, const float *steps,
+                             int64_t x_stride, const int64_t *slots, const BlockToken *ts, int64_t n, int64_t head, const float *steps,
                              int starts_blocks, float *held, uint8_t *params) {
     const int64_t extra = width - d / 2, block = ts[0].block;
     uint8_t *base = cache + block * bs * hkv * width + head * width;
@@ -129,7 +196,7 @@ static void write_block_keys(uint8_t *cache, int64_t bs, int64_t hkv, int64_t d,
     for (int64_t i = 0; i < n; i++) fresh |= starts_blocks && slots[ts[i].token] % bs == 0;
     if (fresh) {
         // a recycled block's rows take a new token's value, so the block's range is its own tokens'
-        const float *first = x + (ts[0].token * hkv + head) * d;
+        const float *first = x + ts[0].token * x_stride + head * d;
         for (int64_t o = 0; o < bs; o++) memcpy(held + o * d, first, (size_t)d * sizeof(float));
     } else {
         for (int64_t o = 0; o < bs; o++) {
@@ -141,7 +208,7 @@ static void write_block_keys(uint8_t *cache, int64_t bs, int64_t hkv, int64_t d,
         }
     }
     for (int64_t i = 0; i < n; i++)
-        memcpy(held + (slots[ts[i].token] % bs) * d, x + (ts[i].token * hkv + head) * d, (size_t)d * sizeof(float));
+        memcpy(held + (slots[ts[i].token] % bs) * d, x + ts[i].token * x_stride + head * d, (size_t)d * sizeof(float));
     for (int64_t c = 0; c < d; c++) {
         float low = held[c], high = held[c];
         for (int64_t o = 1; o < bs; o++) {
@@ -174,8 +241,8 @@ static void write_block_keys(uint8_t *cache, int64_t bs, int64_t hkv, int64_t d,
 
 /* Returns 0, or -1 when out of memory (then nothing is written). */
 int kvs_int4_write_keys(uint8_t *cache, int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t row_width,
-                        const float *x, const int64_t *slots, int64_t num_tokens, const float *steps,
-                        int starts_blocks) {
+                        const float *x, int64_t x_stride, const int64_t *slots, int64_t num_tokens,
+                        const float *steps, int starts_blocks) {
     const int64_t bs = block_size, d = head_dim, extra = row_width - d / 2;
     const int64_t threads = omp_get_max_threads();
     const size_t scratch = (size_t)(bs * d) * sizeof(float) + (size_t)(bs * extra);  // held, then params
@@ -203,7 +270,8 @@ int kvs_int4_write_keys(uint8_t *cache, int64_t block_size, int64_t num_kv_heads
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t b = t / num_kv_heads;
-            write_block_keys(cache, bs, num_kv_heads, d, row_width, x, slots, ts + starts[b], starts[b + 1] - starts[b],
+            write_block_keys(cache, bs, num_kv_heads, d, row_width, x, x_stride, slots, ts + starts[b],
+                             starts[b + 1] - starts[b],
                              t % num_kv_heads, steps, starts_blocks, held, params);
         }
     }
