@@ -265,9 +265,10 @@ PROMPTS = [
     "Translate 'good morning' into French.",
     "What is 12 times 12?",
 ]
-# documented threshold (docs/engine.md): the share of greedy tokens, position by position, equal to
-# the output with fp32 KV. One near-tie flips a whole continuation, so it is not 1; 0.81 measured.
-INT8_AGREEMENT = 0.7
+# documented threshold (docs/engine.md): where int8's greedy output first departs from the fp32-KV
+# output, fp32 scored int8's token within this many nats of its own choice (a near-tie; 0.36 measured).
+# Counting equal positions instead flips with one near-tie early in a prompt (0.66-0.81 measured).
+INT8_NEAR_TIE_NATS = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -284,11 +285,21 @@ def _chat(llm, prompts, sp=GREEDY):
 
 
 @needs_model
-def test_int8_greedy_output_matches_full_precision_for_most_tokens(llm, int8_llm):
-    ref = _chat(llm, PROMPTS)
-    got = _chat(int8_llm, PROMPTS)
-    same = sum(a == b for r, g in zip(ref, got) for a, b in zip(r, g))
-    assert same / sum(len(r) for r in ref) >= INT8_AGREEMENT
+def test_int8_greedy_output_departs_from_full_precision_only_at_near_ties(llm, int8_llm):
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+    messages = [[{"role": "user", "content": p}] for p in PROMPTS]
+    ref = [o.outputs[0] for o in llm.chat(messages, sp)]
+    got = [o.outputs[0] for o in int8_llm.chat(messages, sp)]
+    equal = 0
+    for r, g in zip(ref, got):
+        first = next((i for i, (a, b) in enumerate(zip(r.token_ids, g.token_ids)) if a != b), None)
+        if first is None:
+            equal += 1
+            continue
+        scores = r.logprobs[first]  # fp32's top five at the first departure
+        margin = max(scores.values()) - scores.get(g.token_ids[first], -math.inf)
+        assert margin < INT8_NEAR_TIE_NATS, (r.token_ids, g.token_ids, first, margin)
+    assert equal >= 1  # and the pool really is int8:
     assert int8_llm.engine.runner.kv_cache.dtype == torch.uint8
 
 

@@ -85,12 +85,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _prefill_in_c(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float, out: torch.Tensor) -> bool:
-    """The prefill chunks through the C kernel, when the pool holds plain float32 rows it takes."""
-    if meta.cpu_kernels is None or (meta.kv_format is not None and not meta.kv_format.is_plain):
+    """The prefill chunks through the C kernel, when the pool holds float32 rows, or quantized rows
+    the decode kernel reads too (one-byte codes, int4), in a shape it takes."""
+    fmt = meta.kv_format
+    if meta.cpu_kernels is None or (fmt is not None and not fmt.is_plain and fmt.code_table is None):
         return False
     if meta.prefill_arrays is None:
         meta.prefill_arrays = prefill_arrays(meta.prefills)
-    return meta.cpu_kernels.paged_prefill(q, k_cache, v_cache, out, meta.prefill_arrays, scale)
+    table = None if fmt is None or fmt.is_plain else fmt.code_table
+    group = None if table is None else fmt.int4_value_group
+    return meta.cpu_kernels.paged_prefill(q, k_cache, v_cache, out, meta.prefill_arrays, scale, table, group)
 
 
 def prefill_arrays(chunks: list[PrefillChunk]) -> PrefillArrays:

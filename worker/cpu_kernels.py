@@ -106,6 +106,10 @@ class CpuKernels:
                                               + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
                                               + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float])
         lib.kvs_paged_prefill_f32.restype = ctypes.c_int
+        lib.kvs_paged_prefill_quantized.argtypes = lib.kvs_paged_prefill_f32.argtypes + [ctypes.c_void_p,
+                                                                                           ctypes.c_int64,
+                                                                                           ctypes.c_int64]
+        lib.kvs_paged_prefill_quantized.restype = ctypes.c_int
         lib.kvs_copy_blocks.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 8
         lib.kvs_copy_blocks.restype = None
         lib.kvs_crc32.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int64]
@@ -209,24 +213,33 @@ class CpuKernels:
                                   len(ids), self.CODE_KINDS[name], max_code)
 
     def paged_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                      prefills: PrefillArrays, scale: float) -> bool:
-        """Causal attention of prefill chunks (csrc/prefill_attention.c), K/V float32 read in place.
+                      prefills: PrefillArrays, scale: float, code_table: torch.Tensor | None = None,
+                      int4_value_group: int | None = None) -> bool:
+        """Causal attention of prefill chunks (csrc/prefill_attention.c): K/V float32 read in place, or
+        quantized rows (uint8, with code_table and for int4 int4_value_group, as paged_decode takes them).
 
         q: [T, H, D] float32 with dense heads (a view into the fused projection is fine); out: a
         dense [T, H, D] float32 whose prefill rows are written. False, with nothing written, when
         the shapes are not ones the kernel takes (head size 64 or 128; blocks a multiple of 16)."""
         _, num_heads, head_dim = q.shape
-        _, block_size, num_kv_heads, _ = k_cache.shape
-        if (q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32
-                or q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous()
+        _, block_size, num_kv_heads, width = k_cache.shape
+        quantized = k_cache.dtype == torch.uint8 and v_cache.dtype == torch.uint8 and code_table is not None
+        if ((k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32) and not quantized
+                or q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous()
                 or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
             return False
         p = prefills
-        rc = self._lib.kvs_paged_prefill_f32(
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), p.tables.data_ptr(),
-            p.tables.shape[1], p.starts.data_ptr(), p.counts.data_ptr(), p.ctxs.data_ptr(), p.starts.numel(),
-            out.data_ptr(), out.stride(0), num_heads, num_kv_heads, head_dim, block_size, scale)
-        return rc == 0
+        args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), p.tables.data_ptr(),
+                p.tables.shape[1], p.starts.data_ptr(), p.counts.data_ptr(), p.ctxs.data_ptr(), p.starts.numel(),
+                out.data_ptr(), out.stride(0), num_heads, num_kv_heads, head_dim, block_size, scale)
+        if not quantized:
+            return self._lib.kvs_paged_prefill_f32(*args) == 0
+        extra = width - head_dim // 2 if int4_value_group is not None else 0
+        if code_table.dtype != torch.float32 or code_table.numel() != 256 or (
+                width != head_dim + 2 if extra == 0 else extra <= 0 or head_dim % int4_value_group):
+            raise ValueError("paged_prefill: quantized rows that do not fit their code table and head size")
+        return self._lib.kvs_paged_prefill_quantized(*args, code_table.contiguous().data_ptr(), extra,
+                                                     int4_value_group or 0) == 0
 
     def pack(self, weight: torch.Tensor) -> PackedWeight:
         """weight [N, K] (float32 or bfloat16) -> groups of `gemm_group` output columns, ready for `gemm`."""
