@@ -186,12 +186,18 @@ static int by_block_then_token(const void *a, const void *b) {
 /* One block's keys of one head: the block's rows dequantized into held [bs, D], then `n` tokens
    (ts[i].token of x, each at its slot's offset), a re-fit where needed, and the block written back. */
 static void write_block_keys(uint8_t *cache, int64_t bs, int64_t hkv, int64_t d, int64_t width, const float *x,
-                             int64_t x_stride, const int64_t *slots, const BlockToken *ts, int64_t n, int64_t head, const float *steps,
-                             int starts_blocks, float *held, uint8_t *params) {
+                             int64_t x_stride, const int64_t *slots, const BlockToken *ts, int64_t n, int64_t head,
+                             const float *steps, int starts_blocks, float *held, uint8_t *params) {
     const int64_t extra = width - d / 2, block = ts[0].block;
     uint8_t *base = cache + block * bs * hkv * width + head * width;
 #define ROW(o) (base + (o) * hkv * width)
-    for (int64_t j = 0; j < bs * extra; j++) params[j] = ROW(j / extra)[d / 2 + j % extra];
+    for (int64_t o = 0; o < bs; o++) memcpy(params + o * extra, ROW(o) + d / 2, (size_t)extra);
+    /* each channel's step and zero point as floats, so that the loops over a block's rows vectorize */
+    float step[256], zero[256], low[256], high[256], codes[256];
+    for (int64_t c = 0; c < d; c++) {
+        step[c] = steps[params[c]];
+        zero[c] = (float)(int8_t)params[d + c] / ZERO_UNITS;
+    }
     int fresh = 0;
     for (int64_t i = 0; i < n; i++) fresh |= starts_blocks && slots[ts[i].token] % bs == 0;
     if (fresh) {
@@ -201,38 +207,38 @@ static void write_block_keys(uint8_t *cache, int64_t bs, int64_t hkv, int64_t d,
     } else {
         for (int64_t o = 0; o < bs; o++) {
             const uint8_t *row = ROW(o);
-            for (int64_t c = 0; c < d; c++) {
-                float code = (float)((row[c / 2] >> (4 * (c & 1))) & 15);
-                held[o * d + c] = (code - (float)(int8_t)params[d + c] / ZERO_UNITS) * steps[params[c]];
+            float *h = held + o * d;
+            for (int64_t j = 0; j < d / 2; j++) {
+                h[2 * j] = ((float)(row[j] & 15) - zero[2 * j]) * step[2 * j];
+                h[2 * j + 1] = ((float)(row[j] >> 4) - zero[2 * j + 1]) * step[2 * j + 1];
             }
         }
     }
     for (int64_t i = 0; i < n; i++)
         memcpy(held + (slots[ts[i].token] % bs) * d, x + ts[i].token * x_stride + head * d, (size_t)d * sizeof(float));
-    for (int64_t c = 0; c < d; c++) {
-        float low = held[c], high = held[c];
-        for (int64_t o = 1; o < bs; o++) {
+    memcpy(low, held, (size_t)d * sizeof(float));
+    memcpy(high, held, (size_t)d * sizeof(float));
+    for (int64_t o = 1; o < bs; o++)
+        for (int64_t c = 0; c < d; c++) {
             float v = held[o * d + c];
-            low = v < low ? v : low;
-            high = v > high ? v : high;
+            low[c] = v < low[c] ? v : low[c];
+            high[c] = v > high[c] ? v : high[c];
         }
-        float step = steps[params[c]], zero = (float)(int8_t)params[d + c] / ZERO_UNITS;
+    for (int64_t c = 0; c < d; c++) {
         // a channel keeps its grid, and so its earlier codes, while its values lie within half a step of it
-        if (fresh || !(low >= (-0.5f - zero) * step && high <= (15.5f - zero) * step)) {
+        if (fresh || !(low[c] >= (-0.5f - zero[c]) * step[c] && high[c] <= (15.5f - zero[c]) * step[c])) {
             int code;
-            fit_key_channel(steps, low, high, &code, &zero);
+            fit_key_channel(steps, low[c], high[c], &code, &zero[c]);
             params[c] = (uint8_t)code;
-            params[d + c] = (uint8_t)(int8_t)nearbyintf(zero * ZERO_UNITS);
+            params[d + c] = (uint8_t)(int8_t)nearbyintf(zero[c] * ZERO_UNITS);
+            step[c] = steps[code];
         }
     }
     memset(params + 2 * d, 0, (size_t)(bs * extra - 2 * d));
-    float codes[256];
     for (int64_t o = 0; o < bs; o++) {
         uint8_t *row = ROW(o);
-        for (int64_t c = 0; c < d; c++) {
-            float step = steps[params[c]], zero = (float)(int8_t)params[d + c] / ZERO_UNITS;
-            codes[c] = clampf(nearbyintf(held[o * d + c] / step + zero), 0.0f, 15.0f);
-        }
+        const float *h = held + o * d;
+        for (int64_t c = 0; c < d; c++) codes[c] = clampf(nearbyintf(h[c] / step[c] + zero[c]), 0.0f, 15.0f);
         pack_codes(row, codes, d);
         memcpy(row + d / 2, params + o * extra, (size_t)extra);
     }
