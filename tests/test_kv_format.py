@@ -472,8 +472,8 @@ def test_the_c_decode_kernel_decodes_known_tables_by_arithmetic_and_any_other_th
         torch.testing.assert_close(out.flatten(), table[codes], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (64, 32), (128, 16), (48, 8)],
-                         ids=["d64-bs16", "d64-bs32", "d128-bs16", "d48-bs8-generic"])
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (64, 32), (128, 16), (48, 8), (62, 16)],
+                         ids=["d64-bs16", "d64-bs32", "d128-bs16", "d48-bs8-generic", "d62-bs16-params-end-mid-row"])
 def test_the_c_decode_kernel_reads_int4_rows_in_place_like_the_torch_path(head_dim, block_size):
     """int4 keys decode per block (steps and zero points spread over the block's rows), values per
     row (a scale per group of channels); every head size and block size the formats allow."""
