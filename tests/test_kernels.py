@@ -175,16 +175,15 @@ def test_rms_norm_matches_the_reference_order(dtype):
 def test_the_kernels_build_wherever_there_is_a_c_compiler():
     """Without this, a kernel that no longer compiles would only turn the kernel tests into skips:
     the engine falls back to torch, by design, when the build fails."""
-    import shutil
     import subprocess
 
-    from kvstrata.worker.cpu_kernels import _build
+    from kvstrata.worker.kernel_build import build, find_compiler
 
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         pytest.skip("no C compiler here")
     try:
-        assert _build(compiler).exists()
+        assert build(compiler).exists()
     except subprocess.CalledProcessError as e:
         pytest.fail(f"the CPU kernels do not compile:\n{e.stderr}")
 
@@ -194,12 +193,29 @@ def test_every_kernel_source_and_header_is_part_of_the_build_identity():
     the hash would let an edit to it run on the stale build."""
     import re
 
-    from kvstrata.worker.cpu_kernels import _HEADERS, _SOURCES
+    from kvstrata.worker.kernel_build import _HEADERS, _SOURCES
 
     csrc = _SOURCES[0].parent
     assert {p.name for p in _SOURCES} == {p.name for p in csrc.glob("*.c")}
     included = {name for p in csrc.iterdir() for name in re.findall(r'#include "([^"]+)"', p.read_text())}
     assert {p.name for p in _HEADERS} == included == {p.name for p in csrc.glob("*.h")}
+
+
+def test_a_non_editable_install_ships_every_kernel_source_and_header():
+    """`pip install .` (the container image) copies only the package data that pyproject.toml names:
+    a header left out builds nothing there, and the engine silently falls back to torch."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    from kvstrata.worker.kernel_build import _SOURCES
+
+    root = Path(__file__).resolve().parent.parent
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "kvstrata.worker"]
+    csrc = _SOURCES[0].parent
+    files = [f"csrc/{p.name}" for p in csrc.iterdir() if p.suffix in (".c", ".h")]
+    assert files and all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files), (files, patterns)
 
 
 def test_kernels_can_be_switched_off(monkeypatch):

@@ -4,9 +4,9 @@ Decode attention reads K/V in place from the block pool instead of gathering the
 copy, which on CPU costs more than the attention itself. Projections multiply by weights packed
 once at load into column groups sized for the CPU's vector registers: at decode shapes 1.3-2x
 faster than oneDNN, which repacks on every call. float32 RMSNorm is fused with the residual add
-before it. The shared object is built once per source, flags, compiler and CPU into the kvstrata
-cache directory (atomically, so concurrent workers are safe), and links against the OpenMP runtime
-torch has already loaded, so both share one thread pool. Without a compiler, or with
+before it. The shared object is built once per source, flags, compiler and CPU (kernel_build.py),
+and links against the OpenMP runtime torch has already loaded, so both share one thread pool.
+Without a compiler, or with
 KVSTRATA_CPU_KERNELS=0, `load_cpu_kernels()` returns None and the engine runs on oneDNN and plain
 torch. RoPE and the K/V write of a layer are one more C pass (csrc/rope.c).
 """
@@ -15,31 +15,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from kvstrata.worker.gguf_loader import cache_root
+from kvstrata.worker.kernel_build import build, find_compiler
 
 log = logging.getLogger(__name__)
-
-_SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("paged_attention.c", "dense_decode.c", "prefill_attention.c", "gemm.c", "norm.c", "rope.c",
-                         "layer.c", "block_copy.c", "crc32.c", "argmax.c", "bf16_ops.c", "amx_gemm.c",
-                         "kv_write.c")]
-# part of the build's identity, not compiled alone
-_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vec.h", "kv_rows.h")]
-# -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-shared", "-fPIC"]
-
 
 class CpuKernels:
     def __init__(self, lib: ctypes.CDLL):
@@ -484,47 +469,17 @@ def _dense_int64(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
-def _cpu_signature() -> str:
-    try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [p.read_bytes() for p in _SOURCES + _HEADERS] + [" ".join(_FLAGS).encode(), version.encode(),
-                                                  _cpu_signature().encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    out_dir = cache_root() / "kernels"
-    target = out_dir / f"kvstrata-cpu-{key}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
-                       check=True)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
 @functools.cache
 def load_cpu_kernels() -> CpuKernels | None:
     """The compiled kernels, or None when they cannot be built here (the caller falls back to torch)."""
     if os.environ.get("KVSTRATA_CPU_KERNELS", "1") == "0":
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         log.warning("no C compiler found; paged attention runs in plain torch")
         return None
     try:
-        return CpuKernels(ctypes.CDLL(str(_build(compiler))))
+        return CpuKernels(ctypes.CDLL(str(build(compiler))))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = e.stderr if isinstance(e, subprocess.CalledProcessError) else e
         log.warning("could not build the CPU kernels (%s); paged attention runs in plain torch", detail)
