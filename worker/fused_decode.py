@@ -136,10 +136,11 @@ class FusedDecode:
         fmt = meta.kv_format
         step.kv_kind = self.kv_kind(fmt, kv_cache.dtype)
         if step.kv_kind:
-            table = fmt.code_table.contiguous()
-            self._kv_table = table  # alive while the step runs
-            step.kv_table, step.kv_max_code = table.data_ptr(), getattr(fmt, "max_code", 0.0)
-            step.kv_extra, step.kv_group = getattr(fmt, "extra", 0), fmt.int4_value_group or 0
+            step.kv_table = fmt.code_table.data_ptr()  # a dense float32 table the format keeps
+            if isinstance(fmt, Int4Format):
+                step.kv_extra, step.kv_group = fmt.extra, fmt.v_group
+            else:
+                step.kv_max_code = fmt.max_code
         sp = ctypes.byref(step)
         base, elt = kv_cache.data_ptr(), kv_cache.element_size()
         layer_bytes, kv_bytes = kv_cache.stride(0) * elt, kv_cache.stride(1) * elt

@@ -84,8 +84,12 @@ class KVFormat(ABC):
         """Channels per int4 value scale, for the C decode kernel; None for other formats."""
         return None
 
+    # the runner's CpuKernels: the quantized formats write a CPU pool through them (csrc/kv_write.c,
+    # the same bytes as their torch code, which stays the reference and serves other devices)
+    kernels = None
+
     def use_kernels(self, kernels) -> None:
-        """The runner's CpuKernels, for formats that write a CPU pool in C; others ignore it."""
+        self.kernels = kernels
 
     def bytes_per_token_head(self) -> int:
         """Bytes of one token's K (or V) for one head, scales included."""
@@ -134,10 +138,6 @@ class ScaledRowFormat(KVFormat):
         self.fp8, self.max_code = _FP8[name] if name in _FP8 else (None, 127.0)
         codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
         self._table = (codes.view(torch.int8) if self.fp8 is None else codes.view(self.fp8)).float()
-        self.kernels = None  # as Int4Format's: writes to a CPU pool in C when set
-
-    def use_kernels(self, kernels) -> None:
-        self.kernels = kernels
 
     def spec(self) -> CacheSpec:
         return CacheSpec(self.head_dim + 2, torch.uint8)
@@ -182,12 +182,9 @@ class Int4Format(KVFormat):
             raise ValueError(f"kv_dtype int4 needs an even head_dim, got {head_dim}")
         self.v_group = int4_value_group(head_dim, block_size)
         self.extra = int4_row_extra_bytes(head_dim, block_size)
-        # on a CPU pool, writes go through csrc/kv_write.c (the same bytes) when set; this torch
-        # code stays the reference and serves other devices
-        self.kernels = None
 
     def use_kernels(self, kernels) -> None:
-        self.kernels = kernels if kernels is not None and self.head_dim <= 256 else None
+        self.kernels = kernels if self.head_dim <= 256 else None  # the C write's row buffers
 
     def spec(self) -> CacheSpec:
         return CacheSpec(self.head_dim // 2 + self.extra, torch.uint8)
