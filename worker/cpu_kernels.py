@@ -150,18 +150,11 @@ class CpuKernels:
                   lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
                   tables.shape[1], scale)
         if k_cache.dtype == torch.uint8:
-            if code_table is None or code_table.dtype != torch.float32 or code_table.numel() != 256:
-                raise ValueError("byte-code K/V rows need a 256-entry float32 code table")
-            if int4_value_group is not None:
-                extra = k_cache.shape[-1] - head_dim // 2
-                if head_dim % 2 or extra <= 0 or head_dim % int4_value_group or 2 * head_dim > block_size * extra:
-                    raise ValueError(f"int4 rows of {k_cache.shape[-1]} bytes do not fit head_dim {head_dim}, "
-                                     f"block_size {block_size} and value group {int4_value_group}")
+            extra = _quantized_row_extra(k_cache, head_dim, code_table, int4_value_group)
+            if extra:
                 self._lib.kvs_paged_decode_int4(*common, code_table.contiguous().data_ptr(), extra, int4_value_group)
-                return out if q.dtype == torch.float32 else out.to(q.dtype)
-            if k_cache.shape[-1] != head_dim + 2:
-                raise ValueError(f"byte-code rows hold head_dim + 2 bytes, got {k_cache.shape[-1]}")
-            self._lib.kvs_paged_decode_codes(*common, code_table.contiguous().data_ptr())
+            else:
+                self._lib.kvs_paged_decode_codes(*common, code_table.contiguous().data_ptr())
         elif k_cache.dtype == torch.bfloat16:
             self._lib.kvs_paged_decode_bf16(*common)
         else:
@@ -207,7 +200,7 @@ class CpuKernels:
         dense [T, H, D] float32 whose prefill rows are written. False, with nothing written, when
         the shapes are not ones the kernel takes (head size 64 or 128; blocks a multiple of 16)."""
         _, num_heads, head_dim = q.shape
-        _, block_size, num_kv_heads, width = k_cache.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
         quantized = k_cache.dtype == torch.uint8 and v_cache.dtype == torch.uint8 and code_table is not None
         if ((k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32) and not quantized
                 or q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous()
@@ -219,10 +212,7 @@ class CpuKernels:
                 out.data_ptr(), out.stride(0), num_heads, num_kv_heads, head_dim, block_size, scale)
         if not quantized:
             return self._lib.kvs_paged_prefill_f32(*args) == 0
-        extra = width - head_dim // 2 if int4_value_group is not None else 0
-        if code_table.dtype != torch.float32 or code_table.numel() != 256 or (
-                width != head_dim + 2 if extra == 0 else extra <= 0 or head_dim % int4_value_group):
-            raise ValueError("paged_prefill: quantized rows that do not fit their code table and head size")
+        extra = _quantized_row_extra(k_cache, head_dim, code_table, int4_value_group)
         return self._lib.kvs_paged_prefill_quantized(*args, code_table.contiguous().data_ptr(), extra,
                                                      int4_value_group or 0) == 0
 
@@ -463,6 +453,24 @@ class PackedWeight:
     data: torch.Tensor
     n: int
     k: int
+
+
+def _quantized_row_extra(cache: torch.Tensor, head_dim: int, code_table: torch.Tensor | None,
+                         int4_value_group: int | None) -> int:
+    """Checks byte-code rows (uint8 [.., bs, Hkv, W]) against their table and head size; returns
+    int4 rows' scale bytes E (W = D/2 + E), or 0 for one-byte codes (W = D + 2). ValueError otherwise."""
+    if code_table is None or code_table.dtype != torch.float32 or code_table.numel() != 256:
+        raise ValueError("byte-code K/V rows need a 256-entry float32 code table")
+    block_size, width = cache.shape[-3], cache.shape[-1]
+    if int4_value_group is None:
+        if width != head_dim + 2:
+            raise ValueError(f"byte-code rows hold head_dim + 2 bytes, got {width}")
+        return 0
+    extra = width - head_dim // 2
+    if head_dim % 2 or extra <= 0 or head_dim % int4_value_group or 2 * head_dim > block_size * extra:
+        raise ValueError(f"int4 rows of {width} bytes do not fit head_dim {head_dim}, "
+                         f"block_size {block_size} and value group {int4_value_group}")
+    return extra
 
 
 def _dense_int64(t: torch.Tensor) -> torch.Tensor:
