@@ -212,9 +212,7 @@ class Int4Format(KVFormat):
             self._write_keys(cache, x, dst, starts_blocks=False)
 
     def write(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, key: bool) -> None:
-        if self.kernels is not None and cache.device.type == "cpu":
-            self.kernels.int4_write(cache, x, slots, _STEP_TABLE, key, self.v_group)
-        elif key:
+        if key:
             self._write_keys(cache, x, slots, starts_blocks=True)
         else:
             self._write_values(cache, x, slots)
@@ -236,6 +234,8 @@ class Int4Format(KVFormat):
         return scale.repeat_interleave(self.v_group, dim=-1)
 
     def _write_values(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+        if self.kernels is not None and cache.device.type == "cpu":
+            return self.kernels.int4_write(cache, x, slots, _STEP_TABLE, False, self.v_group)
         t, hkv, d = x.shape
         xf = x.float().view(t, hkv, d // self.v_group, self.v_group)
         # codes -8..7 reach from -8.5 to 7.5 scales within half a step; the scale code rounds up
