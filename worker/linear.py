@@ -108,9 +108,11 @@ def gather_packed(weights: list[Any]) -> list[Any]:
     Where a weight's memory lies mattered on a 2-core Xeon host: the same model's packed weights
     copied into one buffer after loading ran the random workload 5-7.5% faster, in lockstep with
     the weights as loaded (each packed into a fresh allocation between the load's temporaries), and
-    plain clones of each weight made after loading 4-5% faster. One buffer is also one mapping.
+    plain clones of each weight made after loading 4-5% faster. One buffer is also one mapping, on
+    huge pages where the host has them (see worker/huge_pages.py).
     """
     from kvstrata.worker.cpu_kernels import PackedWeight
+    from kvstrata.worker.huge_pages import empty_on_huge_pages
 
     def panel(w: Any) -> PackedWeight | None:
         w = w[0] if isinstance(w, tuple) else w
@@ -120,7 +122,7 @@ def gather_packed(weights: list[Any]) -> list[Any]:
     out = list(weights)
     for dtype in {p.data.dtype for p in panels if p is not None}:
         idx = [i for i, p in enumerate(panels) if p is not None and p.data.dtype == dtype]
-        buf = torch.empty(sum(panels[i].data.numel() for i in idx), dtype=dtype)
+        buf = empty_on_huge_pages(sum(panels[i].data.numel() for i in idx), dtype)
         at = 0
         for i in idx:
             p = panels[i]

@@ -12,8 +12,8 @@
  * per block of up to MB rows of x, with no per-call repacking; that is where this beats a general
  * GEMM library at decode shapes.
  *
- * Prefetch: every tile of a group also pulls a share of the *next* group into L2, spread evenly
- * over the k steps of all the row tiles of the block. The weight stream is then fetched while the
+ * Prefetch: where a block has several row tiles, every tile of a group also pulls a share of the
+ * *next* group into L2, spread evenly over the k steps of all the row tiles of the block. The weight stream is then fetched while the
  * cores compute, instead of in a burst during each group's first tile (25% faster at 32 rows with
  * weights coming from DRAM), and the current group is prefetched PF k steps ahead. Below
  * prefetch_min_rows rows (6, or 2 where the engine measured that it pays) both are left to the
@@ -234,9 +234,13 @@ static inline __attribute__((always_inline)) void gemm(const void *x, const void
             /* tile t prefetches bytes [t * k * next_step, (t + 1) * k * next_step) of the next group */
             int64_t tiles = (m_end - b * MB + MR - 1) / MR, elem = mode ? 2 : 4;
             int64_t next_step = (NR * elem + tiles - 1) / tiles;
-            /* from prefetch_min_rows rows on (see kvs_gemm_set_prefetch_rows) */
+            /* from prefetch_min_rows rows on (see kvs_gemm_set_prefetch_rows); the next group only
+             * where a block has more than one tile to share it: one tile (up to MR rows) prefetching
+             * a whole group besides its own ran 1.07-1.14x slower at 6-8 rows (fp32 and bf16 pairs,
+             * Zen 5 EPYC, a step's weights from memory), and without it 10-12 rows ran even, 16
+             * rows 1.25x slower */
             int ahead = m >= prefetch_min_rows;
-            const char *next = g + 1 < groups && ahead ? (const char *)wp + (g + 1) * k * NR * elem : NULL;
+            const char *next = g + 1 < groups && ahead && tiles > 1 ? (const char *)wp + (g + 1) * k * NR * elem : NULL;
             for (int64_t m0 = b * MB, t = 0; m0 < m_end; m0 += MR, t++) {
                 int64_t mr = m_end - m0 < MR ? m_end - m0 : MR;
                 const char *rows = (const char *)x + m0 * k * (mode == 2 ? 2 : 4); /* pairs: 2 bytes a k step */
