@@ -392,9 +392,33 @@ def test_bf16_norms_and_silu_gate_round_where_hf_rounds(rows):
     gate, up = gate_up.chunk(2, dim=-1)
     close(KERNELS.silu_mul(gate_up), F.silu(gate) * up)
     with pytest.raises(ValueError, match="bfloat16"):
-        KERNELS.silu_mul(gate_up.float())
+        KERNELS.silu_mul(gate_up.half())
+    with pytest.raises(ValueError, match=r"\[T, 2I\]"):
+        KERNELS.silu_mul(gate_up[:, :-1])
     with pytest.raises(ValueError, match="expected"):
         KERNELS.rms_norm(x, w.float(), 1e-5)  # a weight of another dtype than x
+
+
+@needs_kernels
+@pytest.mark.parametrize("inter", [1536, 1541, 7])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_float32_silu_gate_stays_within_a_few_ulps_of_torch(rows, inter):
+    """The float32 SiLU gate (every CPU path's, fused or not) against the exact value: within 3
+    float32 ulps (torch's own is within about 2 here), across signs, saturation (|g| up to 150), tiny
+    values and a row length that is not a whole number of vectors; strided rows read as dense ones."""
+    gen = torch.Generator().manual_seed(rows * inter)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen) * 6
+    gate_up[0, :7] = torch.tensor([0.0, -0.0, 150.0, -150.0, 1e-30, -1e-30, -20.0])[:inter]
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = F.silu(gate.double()) * up.double()  # the exact value, rounded once below
+    got = KERNELS.silu_mul(gate_up)
+    assert got.dtype == torch.float32 and got.shape == (rows, inter)
+    err = (got.double() - ref).abs()
+    ulp = torch.finfo(torch.float32).eps * ref.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    assert (err <= 3 * ulp).all(), float((err / ulp).max())
+    assert got[0, 0] == 0 and got[0, 1] == 0  # silu(+-0) = 0
+    wide = torch.randn(rows, 4 * inter, generator=gen)[:, : 2 * inter]  # a strided view
+    assert torch.equal(KERNELS.silu_mul(wide), KERNELS.silu_mul(wide.contiguous()))
 
 
 @needs_kernels

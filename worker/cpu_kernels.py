@@ -76,17 +76,15 @@ class CpuKernels:
         for fn in (lib.kvs_rope_write_kv_f32, lib.kvs_rope_write_kv_bf16):
             fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 5
             fn.restype = None
-        lib.kvs_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-        lib.kvs_silu_mul_bf16.restype = None
-        # a decode-only layer in two calls (csrc/layer.c, driven by fused_decode.py): pointers to its
-        # LayerWeights and DecodeStep structs, then the layer's K and V caches for the first
-        lib.kvs_layer_attention.argtypes = [ctypes.c_void_p] * 4
-        lib.kvs_layer_mlp.argtypes = [ctypes.c_void_p] * 2
-        lib.kvs_layer_bf16.argtypes = [ctypes.c_void_p] * 4  # bf16: the whole layer, the same four pointers
-        lib.kvs_layer_attention.restype = ctypes.c_int
-        lib.kvs_layer_mlp.restype = lib.kvs_layer_bf16.restype = None
-        self.layer_attention, self.layer_mlp, self.layer_bf16 = (lib.kvs_layer_attention, lib.kvs_layer_mlp,
-                                                                 lib.kvs_layer_bf16)
+        for fn in (lib.kvs_silu_mul_f32, lib.kvs_silu_mul_bf16):
+            fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+            fn.restype = None
+        # a decode-only layer in one call (csrc/layer.c, driven by fused_decode.py): pointers to its
+        # LayerWeights and DecodeStep structs, then the layer's K and V caches
+        lib.kvs_layer_f32.argtypes = lib.kvs_layer_bf16.argtypes = [ctypes.c_void_p] * 4
+        lib.kvs_layer_f32.restype = ctypes.c_int
+        lib.kvs_layer_bf16.restype = None
+        self.layer_f32, self.layer_bf16 = lib.kvs_layer_f32, lib.kvs_layer_bf16
         lib.kvs_paged_prefill_f32.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
                                               + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
                                               + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float])
@@ -384,14 +382,17 @@ class CpuKernels:
            signed_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr())
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """bfloat16 [T, 2I] (gate columns, then up) -> silu(gate) * up [T, I], rounded as HF's bf16
-        model rounds (csrc/bf16_ops.c)."""
-        gate_up = _dense(gate_up, torch.bfloat16)
+        """float32 or bfloat16 [T, 2I] (gate columns, then up) -> silu(gate) * up [T, I] of its dtype;
+        bf16 rounded as HF's bf16 model rounds (csrc/bf16_ops.c), float32 within a few ulps of
+        torch's (csrc/norm.c)."""
+        dtype = torch.float32 if gate_up.dtype == torch.float32 else torch.bfloat16
+        gate_up = _dense(gate_up, dtype)
         if gate_up.dim() != 2 or gate_up.shape[1] % 2:
             raise ValueError("silu_mul needs [T, 2I] rows")
         inter = gate_up.shape[1] // 2
-        out = torch.empty((gate_up.shape[0], inter), dtype=torch.bfloat16)
-        self._lib.kvs_silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+        out = torch.empty((gate_up.shape[0], inter), dtype=dtype)
+        fn = self._lib.kvs_silu_mul_f32 if dtype == torch.float32 else self._lib.kvs_silu_mul_bf16
+        fn(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Decode-only steps on CPU, a layer in a few C calls (csrc/layer.c): two in float32 (the SiLU gate
-in torch between them), one in bf16 while the step's rows go to the packed GEMM (up to 8).
+"""Decode-only steps on CPU, a layer in one C call (csrc/layer.c), in float32 and, while the step's
+rows go to the packed GEMM (up to 8), in bf16.
 
 A step's layer is otherwise about ten Python-level calls (projections, RoPE and K/V write,
 attention, norms), each with its checks and its ctypes or torch dispatch: about 30-40 us a layer,
@@ -14,7 +14,6 @@ import ctypes
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from kvstrata.worker.cpu_kernels import CpuKernels, PackedWeight
 from kvstrata.worker.kv_format import Int4Format, KVFormat, ScaledRowFormat
@@ -53,7 +52,7 @@ class FusedDecode:
     """Built for a model whose projections are packed float32 or bf16 weights (see `build`)."""
 
     def __init__(self, kernels: CpuKernels, model: LlamaModel):
-        self._attention, self._mlp, self._layer_bf16 = kernels.layer_attention, kernels.layer_mlp, kernels.layer_bf16
+        self._layer_f32, self._layer_bf16 = kernels.layer_f32, kernels.layer_bf16
         c = model.config
         self.model = model
         self.dtype = model.dtype
@@ -149,10 +148,7 @@ class FusedDecode:
                 k_ptr = base + i * layer_bytes
                 self._layer_bf16(ref, sp, k_ptr, k_ptr + kv_bytes)
             return
-        gate, up = gate_up[:, : self.inter], gate_up[:, self.inter :]
         for i, ref in enumerate(self._refs):
             k_ptr = base + i * layer_bytes
-            if self._attention(ref, sp, k_ptr, k_ptr + kv_bytes):
+            if self._layer_f32(ref, sp, k_ptr, k_ptr + kv_bytes):
                 raise MemoryError("fused decode: no memory for the int4 K/V write's scratch")
-            torch.mul(F.silu(gate), up, out=act)
-            self._mlp(ref, sp)

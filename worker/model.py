@@ -123,7 +123,7 @@ class LlamaModel:
         self.kv_size = self.num_kv_heads * c.head_dim
         from kvstrata.worker.fused_decode import FusedDecode
 
-        self.fused_decode = FusedDecode.build(self)  # decode-only steps, two C calls a layer
+        self.fused_decode = FusedDecode.build(self)  # decode-only steps, one C call a layer
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -200,7 +200,7 @@ class LlamaModel:
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] -> silu(gate) * up [T, I]."""
-        if self.cpu_kernels is not None and gate_up.dtype == torch.bfloat16:
+        if self.cpu_kernels is not None and gate_up.dtype in (torch.float32, torch.bfloat16):
             return self.cpu_kernels.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up

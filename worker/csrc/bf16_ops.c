@@ -10,8 +10,8 @@
  * widening, computing and rounding back: at decode sizes the per-op costs outweigh the arithmetic.
  * Tensors are bf16 (uint16) in memory; the products of two bf16 values are exact in float32, so
  * only the sums and the rounding points decide the results. The mean's sum and the exp inside SiLU
- * are this file's own (vector partial sums, expv), and may differ from torch's in the last float32
- * bit, which moves a bf16 result by one step only when it lies on a rounding boundary.
+ * are this file's own (vector partial sums, vec.h's exp_negv), and may differ from torch's in the
+ * last float32 bit, which moves a bf16 result by one step only when it lies on a rounding boundary.
  */
 #include <math.h>
 #include <stdint.h>
@@ -94,15 +94,6 @@ void kvs_rope_write_kv_bf16(uint16_t *qkv, int64_t tokens, int64_t row, int64_t 
         memcpy(k_cache + slots[t] * kv, x + num_heads * d, (size_t)kv * sizeof(uint16_t));
         memcpy(v_cache + slots[t] * kv, x + (num_heads + num_kv_heads) * d, (size_t)kv * sizeof(uint16_t));
     }
-}
-
-/* silu(g) = g / (1 + e^-g), through e^-|g| for either sign (expv takes arguments <= 0), squared
- * from e^(-|g|/2) because expv stops at e^-87: down to g = -174, where the result leaves float32. */
-static inline __attribute__((always_inline)) vf siluv(vf g) {
-    vi neg = g < 0.0f;
-    vf e = expv(selectv(neg, g, -g) * 0.5f);
-    e = e * e;
-    return selectv(neg, g * e, g) / (1.0f + e);
 }
 
 typedef uint32_t vu __attribute__((vector_size(4 * VW)));

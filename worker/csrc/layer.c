@@ -1,13 +1,11 @@
-/* A decode-only step's layer in few calls, packed weights. float32, two calls:
+/* A decode-only step's layer in one call, packed weights. float32 (kvs_layer_f32):
  *
- *   kvs_layer_attention:  qkv = x Wqkv^T (+ b); RoPE and the K/V write; attention; o = attn Wo^T;
- *                         residual += o; x = norm(residual) * post_norm; gate_up = x Wgu^T
- *   (the caller:          act = silu(gate) * up, in torch, whose exp the C code would not match)
- *   kvs_layer_mlp:        o = act Wdown^T; residual += o; x = norm(residual) * next_norm (the
- *                         next layer's input norm; without one, the last layer, only the add)
+ *   qkv = x Wqkv^T (+ b); RoPE and the K/V write; attention; o = attn Wo^T;
+ *   residual += o; x = norm(residual) * post_norm; gate_up = x Wgu^T; act = silu(gate) * up;
+ *   o = act Wdown^T; residual += o; x = norm(residual) * next_norm (the next layer's input norm;
+ *   without one, the last layer, only the add)
  *
- * bf16, one call (kvs_layer_bf16): the same stages with csrc/bf16_ops.c's rounding, the SiLU gate
- * included; the GEMM and attention read float32, so their inputs are widened into `wide_in` and
+ * bf16 (kvs_layer_bf16): the same stages with csrc/bf16_ops.c's rounding; the GEMM and attention read float32, so their inputs are widened into `wide_in` and
  * their outputs, in `wide_out`, rounded back, as CpuKernels.gemm and paged_decode do from Python.
  *
  * float32 also takes quantized K/V (kv_kind): rows of one-byte codes with a scale (int8, fp8) or int4,
@@ -47,6 +45,7 @@ void kvs_int4_write_values(uint8_t *cache, int64_t num_kv_heads, int64_t head_di
                            const float *steps);
 void kvs_add_rms_norm_f32(const float *x, float *residual, const float *w, float *out, int64_t rows, int64_t n,
                           float eps);
+void kvs_silu_mul_f32(const float *gate_up, float *act, int64_t rows, int64_t inter);
 void kvs_gemm_bf16(const float *x, const uint16_t *wp, const float *bias, float *y, int64_t m, int64_t n, int64_t k);
 void kvs_rope_write_kv_bf16(uint16_t *qkv, int64_t tokens, int64_t row, int64_t num_heads, int64_t num_kv_heads,
                             int64_t d, const uint16_t *cos, const uint16_t *ssin, uint16_t *k_cache,
@@ -106,7 +105,7 @@ static int quantized_attention(const DecodeStep *s, uint8_t *k_cache, uint8_t *v
 }
 
 /* Returns 0, or -1 when a quantized write found no memory (the layer stops there). */
-int kvs_layer_attention(const LayerWeights *w, const DecodeStep *s, void *k_cache, void *v_cache) {
+int kvs_layer_f32(const LayerWeights *w, const DecodeStep *s, void *k_cache, void *v_cache) {
     int64_t t = s->tokens, h = s->hidden;
     kvs_gemm_f32(s->x, w->qkv, w->qkv_bias, s->qkv, t, s->qkv_n, h);
     if (s->kv_kind == KV_PLAIN) {
@@ -120,11 +119,7 @@ int kvs_layer_attention(const LayerWeights *w, const DecodeStep *s, void *k_cach
     kvs_gemm_f32(s->attn, w->o_proj, NULL, s->o, t, h, s->num_heads * s->head_dim);
     kvs_add_rms_norm_f32(s->o, s->residual, w->post_norm, s->x, t, h, s->eps);
     kvs_gemm_f32(s->x, w->gate_up, NULL, s->gate_up, t, 2 * s->inter, h);
-    return 0;
-}
-
-void kvs_layer_mlp(const LayerWeights *w, const DecodeStep *s) {
-    int64_t t = s->tokens, h = s->hidden;
+    kvs_silu_mul_f32(s->gate_up, s->act, t, s->inter);
     kvs_gemm_f32(s->act, w->down, NULL, s->o, t, h, s->inter);
     if (w->next_norm != NULL) {
         kvs_add_rms_norm_f32(s->o, s->residual, w->next_norm, s->x, t, h, s->eps);
@@ -133,6 +128,7 @@ void kvs_layer_mlp(const LayerWeights *w, const DecodeStep *s) {
         const float *o = s->o;
         for (int64_t i = 0; i < t * h; i++) residual[i] += o[i];
     }
+    return 0;
 }
 
 int kvs_amx_active(void);

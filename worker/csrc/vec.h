@@ -82,6 +82,37 @@ static inline __attribute__((always_inline)) vf expv(vf x) {
     return p * (vf)e;
 }
 
+/* e^x for x <= 0, within about one float32 ulp (expv above trades that for speed: its reduction
+ * multiplies by log2(e) in float32, which costs up to some 40 ulps at x = -87): n = round(x / ln 2),
+ * r = x - n ln 2 with ln 2 in two parts (Cody and Waite), e^r by a degree-7 polynomial, then 2^n.
+ * Below -87.34, where e^x leaves the normal float32 range, 0. */
+static inline __attribute__((always_inline)) vf exp_negv(vf x) {
+    const vf lo = (vf){0} - 87.33654f;
+    vi under = x < lo;
+    x = vmaxv(x, lo);
+    vf n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    vf y = p * (r * r) + r + 1.0f;
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return selectv(under, (vf){0}, y * (vf)e);
+}
+
+/* silu(g) = g / (1 + e^-g), through e^-|g| for either sign: within a few float32 ulps of the exact
+ * value down to g = -87 (torch's own is within about one), and 0 below, where the exact value is
+ * under 1e-35. */
+static inline __attribute__((always_inline)) vf siluv(vf g) {
+    vi neg = g < 0.0f;
+    vf e = exp_negv(selectv(neg, g, -g));
+    return selectv(neg, g * e, g) / (1.0f + e);
+}
+
 static inline __attribute__((always_inline)) float hsumv(vf v) {
     float t[VW];
     memcpy(t, &v, sizeof t);
