@@ -65,8 +65,8 @@
 #endif
 #define MB 64          /* rows of x per block, which stays in L2 while the groups stream past it */
 #define PF 32          /* k steps of weight prefetch: 16 before, and 32 made a step's fp32 products 1.06-1.09x
-                        * faster at 6-8 rows, 1.01-1.03x at 16-32, bf16 pairs 1.02-1.15x at 8-16
-                        * (Zen 5 EPYC, weights from memory, lockstep) */
+                        * faster at 6-8 rows, 1.01-1.04x at 16-32, bf16 pairs 1.02-1.18x at 8 rows
+                        * and 1.04-1.06x at 16 (Zen 5 EPYC, weights from memory, lockstep) */
 
 static inline __attribute__((always_inline)) vf load_weight(const void *w, int64_t idx, int is_bf16) {
     vf v;
