@@ -383,8 +383,8 @@ class CpuKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """float32 or bfloat16 [T, 2I] (gate columns, then up) -> silu(gate) * up [T, I] of its dtype;
-        bf16 rounded as HF's bf16 model rounds (csrc/bf16_ops.c), float32 within a few ulps of
-        torch's (csrc/norm.c)."""
+        bf16 rounded as HF's bf16 model rounds (csrc/bf16_ops.c), float32 within 2 ulps of the
+        exact value (csrc/norm.c)."""
         dtype = torch.float32 if gate_up.dtype == torch.float32 else torch.bfloat16
         gate_up = _dense(gate_up, dtype)
         if gate_up.dim() != 2 or gate_up.shape[1] % 2:

@@ -3,9 +3,9 @@
 A decode step reads the whole model's packed weights (537 MB for SmolLM2 in float32) in a few
 hundred long sequential runs. On 4 KB pages that is one page walk every 4 KB, and a page table
 (about 1 MB for those weights) that the weights' own stream pushes out of the caches. On 2 MB pages
-the walks all but vanish: a step's projections at one and eight rows ran 2-7% faster in float32 and
-4-6% faster in bf16 on a Zen 5 EPYC (weights from memory at about 80 GB/s, both ways alternating in
-one process, flushed caches or not).
+the walks all but vanish: a step's projections at one and eight rows ran 1-7% faster in float32 and
+2-6% faster in bf16 on a Zen 5 EPYC (weights from memory, both ways alternating in one process,
+flushed caches or not).
 
 Linux gives huge pages to an anonymous mapping that asks for them (`madvise(MADV_HUGEPAGE)`) when
 `/sys/kernel/mm/transparent_hugepage/enabled` is `always` or `madvise`; elsewhere, or for buffers

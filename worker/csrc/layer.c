@@ -5,8 +5,9 @@
  *   o = act Wdown^T; residual += o; x = norm(residual) * next_norm (the next layer's input norm;
  *   without one, the last layer, only the add)
  *
- * bf16 (kvs_layer_bf16): the same stages with csrc/bf16_ops.c's rounding; the GEMM and attention read float32, so their inputs are widened into `wide_in` and
- * their outputs, in `wide_out`, rounded back, as CpuKernels.gemm and paged_decode do from Python.
+ * bf16 (kvs_layer_bf16): the same stages with csrc/bf16_ops.c's rounding; the GEMM and attention
+ * read float32, so their inputs are widened into `wide_in` and their outputs, in `wide_out`,
+ * rounded back, as CpuKernels.gemm and paged_decode do from Python.
  *
  * float32 also takes quantized K/V (kv_kind): rows of one-byte codes with a scale (int8, fp8) or int4,
  * rotated in place, written by csrc/kv_write.c and read by the decode kernel's row formats.
