@@ -255,9 +255,9 @@ class CpuKernels:
     def tune_prefetch(self, weights: list[PackedWeight], rounds: int = 5) -> int:
         """The fewest rows from which the packed GEMM prefetches its weights, 2 or 6, chosen once per
         process by timing a pass over `weights` (a model's projections, larger than the caches) at
-        4 rows both ways, alternating; 2 only when it is at least 5% faster (see csrc/gemm.c: it
-        depends on the host). KVSTRATA_GEMM_PREFETCH_ROWS sets it without timing. Same results
-        either way: prefetches change when bytes arrive, not the sums."""
+        4 rows both ways, alternating: the faster median wins (see csrc/gemm.c: it depends on the
+        host). KVSTRATA_GEMM_PREFETCH_ROWS sets it without timing. Same results either way:
+        prefetches change when bytes arrive, not the sums."""
         if self.prefetch_rows is not None:
             return self.prefetch_rows
         env = os.environ.get("KVSTRATA_GEMM_PREFETCH_ROWS")
@@ -283,7 +283,7 @@ class CpuKernels:
                     if r:  # the first round only brings everything to the same state
                         times[rows].append(time.perf_counter() - t0)
             with_, without = (sorted(times[n])[len(times[n]) // 2] for n in (2, 6))
-            chosen = 2 if with_ < 0.95 * without else 6
+            chosen = 2 if with_ < without else 6
             log.info("packed GEMM at 4 rows: %.1f ms prefetching, %.1f ms without; prefetching from %d rows",
                      with_ * 1e3, without * 1e3, chosen)
         self._lib.kvs_gemm_set_prefetch_rows(chosen)

@@ -196,12 +196,15 @@ static int64_t task_at_rows(int64_t rows, int64_t m, int64_t groups) {
 }
 
 /* The fewest rows for which the tiles prefetch their weights (the current group PF k steps ahead,
- * and a share of the next group). Whether 2-5 rows gain from it depends on the host: on a Zen 4
- * EPYC they ran 1.07-1.16x faster without (2 rows 62 -> 74 GB/s, 4 rows 62 -> 70), and on one
- * 2-core Xeon 3 rows 8-15% faster without; on another Xeon (Granite Rapids-class, 4 MB of L2 a
- * core) 3-5 rows took 1.14-1.30x longer without (a model's weights from memory at 5 rows: 23.1
- * against 17.7 ms). From 6 rows on it pays or is even everywhere measured. The engine times both
- * once per process on the model's own weights (CpuKernels.tune_prefetch) and sets it here. */
+ * and, with several tiles a block, a share of the next group). Whether 2-5 rows gain from it
+ * depends on the host: when their one tile still prefetched the next group too, on a Zen 4 EPYC
+ * they ran 1.07-1.16x faster without (2 rows 62 -> 74 GB/s, 4 rows 62 -> 70), and on one 2-core
+ * Xeon 3 rows 8-15% faster without; on another Xeon (Granite Rapids-class, 4 MB of L2 a core) 3-5
+ * rows took 1.14-1.30x longer without (a model's weights from memory at 5 rows: 23.1 against 17.7
+ * ms). Prefetching only their own group, on a Zen 5 EPYC, 3-5 rows ran 1.04-1.06x faster with it
+ * (bf16 pairs at 4 rows 1.07-1.10x). From 6 rows on it pays or is even everywhere measured. The
+ * engine times both once per process on the model's own weights (CpuKernels.tune_prefetch) and
+ * sets it here. */
 static int64_t prefetch_min_rows = 6;
 
 void kvs_gemm_set_prefetch_rows(int64_t rows) { prefetch_min_rows = rows < 2 ? 2 : rows; }
