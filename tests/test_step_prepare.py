@@ -23,7 +23,7 @@ def test_decode_only_steps_index_the_pool_as_the_general_path_does(llm, monkeypa
                                   + [0] * (max(len(q.block_table) for q in reqs) - len(r.block_table))
                                   for r in reqs], dtype=torch.long)
             general = runner._token_rows(table, [1] * len(reqs), batches[-1][0], batches[-1][1], runner.block_size)
-            fast = runner._decode_rows(reqs, batches[-1][0], batches[-1][1])
+            fast = runner._decode_rows(reqs, batches[-1][0], batches[-1][1], runner.block_size)
             for g, f in zip(general, fast):
                 assert g.dtype == f.dtype and torch.equal(g, f)
             _, positions, meta, last_rows = out
