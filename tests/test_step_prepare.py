@@ -15,21 +15,19 @@ def test_decode_only_steps_index_the_pool_as_the_general_path_does(llm, monkeypa
 
     def spy(batch):
         out = real_prepare(batch)
-        if batch.num_decodes == len(batch.requests):
-            batches.append(([r.num_computed_tokens for r in batch.requests],
-                            [r.num_kv_tokens for r in batch.requests], out))
-            reqs = batch.requests
-            table = torch.tensor([[b.block_id for b in r.block_table]
-                                  + [0] * (max(len(q.block_table) for q in reqs) - len(r.block_table))
-                                  for r in reqs], dtype=torch.long)
-            general = runner._token_rows(table, [1] * len(reqs), batches[-1][0], batches[-1][1], runner.block_size)
-            fast = runner._decode_rows(reqs, batches[-1][0], batches[-1][1], runner.block_size)
+        reqs = batch.requests
+        if batch.num_decodes == len(reqs):
+            starts, kv_starts = [r.num_computed_tokens for r in reqs], [r.num_kv_tokens for r in reqs]
+            batches.append(starts)
+            table, bs = runner._block_table(reqs), runner.block_size
+            general = runner._token_rows(table, [1] * len(reqs), starts, kv_starts, bs)
+            fast = runner._decode_rows(reqs, starts, kv_starts, bs)
             for g, f in zip(general, fast):
                 assert g.dtype == f.dtype and torch.equal(g, f)
             _, positions, meta, last_rows = out
             assert torch.equal(positions, fast[0]) and torch.equal(meta.slot_mapping, fast[1])
             assert torch.equal(last_rows, torch.arange(len(reqs)))
-            assert meta.decode_seq_lens.tolist() == [k + 1 for k in batches[-1][1]]
+            assert meta.decode_seq_lens.tolist() == [k + 1 for k in kv_starts]
             assert meta.decode_block_tables.shape[1] == -(-max(meta.decode_seq_lens.tolist()) // runner.block_size)
         return out
 
@@ -38,4 +36,4 @@ def test_decode_only_steps_index_the_pool_as_the_general_path_does(llm, monkeypa
     prompts = [[17 + (7 * i + j) % 900 for j in range(n)] for i, n in enumerate((5, 16, 31, 33, 64))]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outs] == [20] * 5
-    assert len(batches) >= 10 and max(len(b[0]) for b in batches) == 5
+    assert len(batches) >= 10 and max(len(b) for b in batches) == 5
