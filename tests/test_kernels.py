@@ -318,6 +318,13 @@ def test_block_copy_between_the_pool_and_the_dram_layout(dtype, streaming, head_
         KERNELS.copy_blocks(pool, 2, [0], torch.zeros(2, 3, 2, 4, 2, 4, dtype=dtype), 0, [0])
     with pytest.raises(ValueError, match="as many"):
         KERNELS.copy_blocks(pool, 2, [0, 1], host, 0, [0])
+    # ids past either end are refused before any byte moves
+    with pytest.raises(ValueError, match="source block id is outside 0..9"):
+        KERNELS.copy_blocks(pool, 2, [3, 10], host, 0, [0, 3])
+    with pytest.raises(ValueError, match="destination block id is outside 0..9"):
+        KERNELS.copy_blocks(host, 0, [0, 1], pool, 2, [-1, 4])
+    assert not host[[0, 3, 4]].any() and not back[:, :, [0, 4]].any()
+    KERNELS.copy_blocks(pool, 2, [], host, 0, [])  # nothing to move is not an error
 
 
 @needs_kernels
