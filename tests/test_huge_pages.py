@@ -69,3 +69,19 @@ def test_engine_weights_and_pool_sit_on_huge_pages(llm):
     pool = llm.engine.runner.kv_cache
     assert pool.data_ptr() % HUGE_PAGE == 0
     assert _smaps_entry(pool.data_ptr())["THPeligible"] == "1"
+
+
+def test_io_buffers_are_aligned_for_o_direct_on_huge_pages_or_not(monkeypatch):
+    from kvstrata.tiering import disk_io
+    from kvstrata.tiering.block_file import ALIGN
+
+    for n in (1, ALIGN, 741376, 3 * HUGE_PAGE + 5):
+        buf = disk_io.io_buffer(n)
+        assert buf.shape == (n,) and buf.dtype == torch.uint8 and buf.data_ptr() % ALIGN == 0
+        buf.fill_(7)  # every byte is ours
+        if huge_pages_available():
+            assert buf.data_ptr() % HUGE_PAGE == 0
+            assert _smaps_entry(buf.data_ptr())["THPeligible"] == "1"
+    monkeypatch.setattr(disk_io, "huge_pages_available", lambda: False)
+    buf = disk_io.io_buffer(741376)
+    assert buf.shape == (741376,) and buf.data_ptr() % ALIGN == 0

@@ -8,10 +8,14 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from kvstrata.tiering import nvme
 from kvstrata.tiering.block_file import ALIGN
 from kvstrata.tiering.slab import SlabFiles, SlabGeometry
+from kvstrata.tiering.slot_io import ReadBuffers
+from kvstrata.worker.huge_pages import huge_pages_available
+from tests.test_huge_pages import _smaps_entry, needs_thp
 from tests.test_nvme_tier import SLOT, data_of, h, offset_of, patch, same, slab0, slot_bytes, tier_at
 
 NAMES = [f"b{i}" for i in range(8)]
@@ -188,12 +192,13 @@ def test_run_length_keeps_runs_adjacent_within_a_slab():
 def test_recycled_blocks_lend_their_buffers_to_later_reads(tmp_path):
     tier = filled(tmp_path, num_io_threads=1)
     first = tier.get_many([h(n) for n in NAMES[:4]]).result()
-    storages = {b.untyped_storage().data_ptr() for b in first}
+    buffers = {tier._read_buffers.buffer_of(b).data_ptr() for b in first}
+    assert len(buffers) == 4
     tier.recycle(first + [None])
     tier.recycle(first)  # twice: each buffer still waits once
     assert len(tier._read_buffers) == 4
     second = tier.get_many([h(n) for n in NAMES[4:]]).result()
-    assert {b.untyped_storage().data_ptr() for b in second} == storages  # read into the same memory
+    assert {tier._read_buffers.buffer_of(b).data_ptr() for b in second} == buffers  # read into the same memory
     assert all(same(b, data_of(n)) for n, b in zip(NAMES[4:], second))
     assert len(tier._read_buffers) == 0
     tier.check_integrity()
@@ -208,6 +213,36 @@ def test_only_read_buffers_are_recycled_and_the_pool_is_bounded(tmp_path, monkey
     blocks = tier.get_many([h(n) for n in NAMES]).result() + tier.get_many([h(n) for n in NAMES]).result()
     tier.recycle(blocks)
     assert len(tier._read_buffers) == 8  # the bound, not all 16
+    tier.close()
+
+
+def test_read_buffers_come_from_a_huge_page_arena_then_fresh_and_stay_bounded():
+    buffers = ReadBuffers(slot_bytes=2 * ALIGN, limit=2)
+    taken = [buffers.take() for _ in range(3)]
+    assert all(b.numel() == 2 * ALIGN and b.data_ptr() % ALIGN == 0 for b in taken)
+    arena, fresh = taken[:2], taken[2]
+    assert fresh.data_ptr() not in {b.data_ptr() for b in arena}
+    assert arena[1].data_ptr() == arena[0].data_ptr() + 2 * ALIGN  # slices of one arena
+    if huge_pages_available():
+        assert _smaps_entry(arena[0].data_ptr())["THPeligible"] == "1"
+    for b in taken:  # a block is a view of its buffer, past the head
+        assert buffers.buffer_of(b[ALIGN:].view(torch.float32)).data_ptr() == b.data_ptr()
+    assert buffers.buffer_of(torch.zeros(2 * ALIGN, dtype=torch.uint8)) is None
+    assert len(buffers) == 0
+    buffers.give(taken + [arena[0]])  # one twice: it waits once; the fresh one is past the bound
+    assert len(buffers) == 2
+    again = [buffers.take() for _ in range(3)]
+    assert {b.data_ptr() for b in again[:2]} == {b.data_ptr() for b in arena}
+    assert again[2].data_ptr() not in {b.data_ptr() for b in arena}
+
+
+@needs_thp
+def test_reads_land_in_buffers_on_huge_pages(tmp_path):
+    tier = filled(tmp_path, num_io_threads=1)
+    blocks = tier.get_many([h(n) for n in NAMES]).result()
+    assert all(same(b, data_of(n)) for n, b in zip(NAMES, blocks))
+    assert all(_smaps_entry(b.data_ptr())["THPeligible"] == "1" for b in blocks)
+    tier.recycle(blocks)
     tier.close()
 
 

@@ -1103,7 +1103,9 @@ def test_a_staged_slot_is_the_same_bytes_with_the_c_crc_or_zlib(monkeypatch, fas
     if fast_crc and (kernels is None or not kernels.crc32_fast):
         pytest.skip("no carry-less multiply CRC here")
     block = torch.randn(4, 2, 16, 3, 8, generator=torch.Generator().manual_seed(3))
-    header = BlockHeader(b"h" * 16, b"", "test-layout", "float32", tuple(block.shape), block.numel() * 4, 0)
+    # a parent and a sequence number: the C path fills the CRCs in around them
+    header = BlockHeader(b"h" * 16, b"p" * 20, "test-layout", "float32", tuple(block.shape), block.numel() * 4, 0,
+                         seq=0x0102030405)
     slot_bytes = round_up(header.payload_offset + header.payload_len)
 
     def staged(use_fast: bool) -> torch.Tensor:
@@ -1114,7 +1116,12 @@ def test_a_staged_slot_is_the_same_bytes_with_the_c_crc_or_zlib(monkeypatch, fas
 
     slot = staged(fast_crc)
     assert torch.equal(slot, staged(False))
-    assert BlockHeader.parse(slot.numpy()).payload_crc == zlib.crc32(block.numpy().tobytes())
+    parsed = BlockHeader.parse(slot.numpy())
+    assert parsed.payload_crc == zlib.crc32(block.numpy().tobytes()) and parsed.seq == 0x0102030405
+    assert parsed.parent_hash == b"p" * 20
+    if fast_crc:
+        with pytest.raises(ValueError, match="do not fit a slot"):
+            kernels.stage_slot(slot[:-1], header.pack(), 100, block)
     monkeypatch.setattr(slot_codec, "_fast_crc", lambda: kernels if fast_crc else None)
     back = slot_codec.unstage(slot, b"h" * 16, lambda h: True, torch.float32, tuple(block.shape))
     assert torch.equal(back, block)

@@ -122,6 +122,11 @@ def head_len(buf) -> int:
     return round_up(_header_len(buf))
 
 
+def header_length(buf) -> int:
+    """The header length L (before its zero pad), from the fixed prefix at the start of `buf`."""
+    return _header_len(buf)
+
+
 def max_head_len(layout_tag: str, dtype_name: str, shape: tuple[int, ...]) -> int:
     """The longest head a block of this layout can have: both hashes at their longest."""
     longest = bytes(MAX_HASH_BYTES)

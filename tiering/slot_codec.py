@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy
 import torch
 
-from kvstrata.tiering.block_file import BlockHeader, head_len
+from kvstrata.tiering.block_file import BlockHeader, head_len, header_length
 
 
 def _fast_crc():
@@ -25,17 +25,18 @@ def _fast_crc():
 
 def stage(slot: torch.Tensor, header: BlockHeader, data: torch.Tensor) -> None:
     """Fill a slot's buffer [slot_bytes] with the header (its CRC computed here) and the block's bytes."""
-    offset = header.payload_offset  # P
+    head = header.pack()  # the payload CRC in it is filled in below
+    offset = len(head)  # P
     end = offset + header.payload_len
-    payload = slot[offset:end]  # [payload_len]
     src = data.detach().contiguous().view(-1).view(torch.uint8)
     # the CRC is of the staged bytes, so a caller changing `data` meanwhile cannot tear the slot
     kernels = _fast_crc()
-    if kernels is not None:  # one pass, without the GIL: about 6x numpy's copy and zlib's CRC after it
-        crc = kernels.copy_crc32(src, payload)
-    else:  # numpy's copy is one memcpy without the GIL; torch's would start an OpenMP team in each IO thread
-        numpy.copyto(payload.numpy(), src.numpy())
-        crc = zlib.crc32(payload.numpy())
+    if kernels is not None:  # the whole slot in one pass, without the GIL: the IO threads hold it little
+        kernels.stage_slot(slot, head, header_length(head), src)
+        return
+    payload = slot[offset:end]  # [payload_len]
+    numpy.copyto(payload.numpy(), src.numpy())  # one memcpy without the GIL (torch's would start an OpenMP team)
+    crc = zlib.crc32(payload.numpy())
     slot[end:].zero_()  # another block's bytes must not reach this slot, even where no one reads
     memoryview(slot.numpy())[:offset] = replace(header, payload_crc=crc).pack()
 

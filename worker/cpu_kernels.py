@@ -98,6 +98,9 @@ class CpuKernels:
         lib.kvs_crc32.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int64]
         lib.kvs_copy_crc32.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         lib.kvs_crc32.restype = lib.kvs_copy_crc32.restype = ctypes.c_uint32
+        lib.kvs_stage_slot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p] + [ctypes.c_int64] * 2 + [
+            ctypes.c_void_p, ctypes.c_int64]
+        lib.kvs_stage_slot.restype = ctypes.c_uint32
         lib.kvs_argmax_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         lib.kvs_argmax_f32.restype = ctypes.c_int64
         rows = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # x, its stride, slots, tokens
@@ -344,6 +347,19 @@ class CpuKernels:
         if dst.numel() * dst.element_size() != n:
             raise ValueError(f"copy_crc32: {n} source bytes into {dst.numel() * dst.element_size()}")
         return self._lib.kvs_copy_crc32(0, src.data_ptr(), dst.data_ptr(), n)
+
+    def stage_slot(self, slot: torch.Tensor, head: bytes, header_len: int, src: torch.Tensor) -> int:
+        """An NVMe slot [slot_bytes] (uint8) staged in one pass without the GIL (csrc/crc32.c): the
+        packed head, the payload (src's bytes, copied right after the head) and zeros to the end;
+        the payload's CRC-32 and then the header's own are written into the header, whose last 16
+        bytes are payload CRC, sequence number and header CRC. Returns the payload CRC."""
+        _check_dense_cpu(slot, "stage_slot")
+        _check_dense_cpu(src, "stage_slot")
+        n, p = src.numel() * src.element_size(), len(head)
+        if slot.dtype != torch.uint8 or not 16 <= header_len <= p or p + n > slot.numel():
+            raise ValueError(f"stage_slot: a head of {p} bytes (header {header_len}) and {n} payload bytes "
+                             f"do not fit a slot of {slot.numel()}")
+        return self._lib.kvs_stage_slot(slot.data_ptr(), slot.numel(), head, p, header_len, src.data_ptr(), n)
 
     def rope_write_kv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
                       signed_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

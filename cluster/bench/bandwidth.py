@@ -77,11 +77,17 @@ def measure_disk(directory: Path, num_bytes: int, chunk: int = 8 * MB,
 
 def measure_direct(directory: Path, n: int, chunk: int,
                    clock: Callable[[], float] = time.perf_counter) -> tuple[float | None, float | None]:
-    """(write, read) bytes/s of n sequential O_DIRECT chunks (page-aligned buffer); Nones where the
+    """(write, read) bytes/s of n sequential O_DIRECT chunks, from and into an aligned buffer on huge
+    pages where the host gives them, as the NVMe tier's own (disk_io.io_buffer); Nones where the
     filesystem refuses O_DIRECT."""
+    import torch
+
+    from kvstrata.tiering.disk_io import io_buffer
+
     chunk = max(mmap.PAGESIZE, chunk // mmap.PAGESIZE * mmap.PAGESIZE)
-    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
-    buf.write(os.urandom(chunk))
+    data = io_buffer(chunk)
+    data.copy_(torch.frombuffer(bytearray(os.urandom(chunk)), dtype=torch.uint8))
+    buf = memoryview(data.numpy())
     path = directory / PROBE_FILE
     try:
         try:
@@ -102,7 +108,7 @@ def measure_direct(directory: Path, n: int, chunk: int,
             os.close(fd)
     finally:
         path.unlink(missing_ok=True)
-        buf.close()
+        buf.release()
     return n * chunk / (t1 - t0), n * chunk / (t2 - t1)
 
 

@@ -19,7 +19,6 @@ see the same moments. The report quotes, for each kind of IO, the round whose ra
 from __future__ import annotations
 
 import gc
-import mmap
 import os
 import shutil
 import statistics
@@ -76,8 +75,11 @@ class _RawFile:
     def __init__(self, path: Path, clock: Callable[[], float]):
         self.path = path
         self.clock = clock
-        self.buf = mmap.mmap(-1, _CHUNK)  # page-aligned, as O_DIRECT needs
-        self.buf.write(os.urandom(_CHUNK))
+        from kvstrata.tiering.disk_io import io_buffer
+
+        # aligned, as O_DIRECT needs, and on huge pages as the tier's own buffers (disk_io.io_buffer)
+        self.buf = io_buffer(_CHUNK)
+        self.buf.copy_(torch.frombuffer(bytearray(os.urandom(_CHUNK)), dtype=torch.uint8))
         try:
             self.fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
         except (OSError, AttributeError):
@@ -92,7 +94,7 @@ class _RawFile:
             end = offset + num_bytes
             while offset < end:
                 n = min(_CHUNK, end - offset)
-                view = memoryview(self.buf)[:n]
+                view = memoryview(self.buf.numpy())[:n]
                 done = os.pwritev(self.fd, [view], offset) if op == "w" else os.preadv(self.fd, [view], offset)
                 view.release()
                 if done != n:
@@ -108,7 +110,7 @@ class _RawFile:
         if self.fd is not None:
             os.close(self.fd)
         self.path.unlink(missing_ok=True)
-        self.buf.close()
+        del self.buf
 
 
 def probe_nvme_tier(directory: Path, block_shape: tuple[int, ...], dtype: torch.dtype, num_bytes: int,

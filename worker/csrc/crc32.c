@@ -108,3 +108,26 @@ uint32_t kvs_crc32(uint32_t init, const uint8_t *p, int64_t n) { return crc_run(
 uint32_t kvs_copy_crc32(uint32_t init, const uint8_t *src, uint8_t *dst, int64_t n) {
     return crc_run(init, src, dst, n);
 }
+
+/* One NVMe slot staged for its write, in one call without the GIL (tiering/slot_codec.py):
+ *
+ *   slot: [ head (header, zero pad)  | payload             | 0 tail ]
+ *         0                          p                     p + n     slot_bytes
+ *
+ * head: the p packed head bytes, its payload CRC and header CRC to be filled in here; the header
+ * is header_len bytes and ends with the payload CRC (u32), the sequence number (u64) and the CRC
+ * of everything before it (u32), all little-endian (tiering/block_file.py). The payload is copied
+ * from src with its CRC computed on the way. Returns the payload CRC. */
+static void put_le32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+uint32_t kvs_stage_slot(uint8_t *slot, int64_t slot_bytes, const uint8_t *head, int64_t p, int64_t header_len,
+                        const uint8_t *src, int64_t n) {
+    memcpy(slot, head, (size_t)p);
+    uint32_t crc = crc_run(0, src, slot + p, n);
+    put_le32(slot + header_len - 16, crc);
+    put_le32(slot + header_len - 4, crc_run(0, slot, NULL, header_len - 4));
+    memset(slot + p + n, 0, (size_t)(slot_bytes - p - n));
+    return crc;
+}
