@@ -216,14 +216,19 @@ def test_only_read_buffers_are_recycled_and_the_pool_is_bounded(tmp_path, monkey
     tier.close()
 
 
-def test_read_buffers_come_from_a_huge_page_arena_then_fresh_and_stay_bounded():
+@pytest.mark.parametrize("thp", [True, False])
+def test_read_buffers_come_from_a_huge_page_arena_then_fresh_and_stay_bounded(monkeypatch, thp):
+    from kvstrata.tiering import disk_io
+
+    if not thp:  # a host without huge pages: the arena is one plain aligned buffer, used the same way
+        monkeypatch.setattr(disk_io, "huge_pages_available", lambda: False)
     buffers = ReadBuffers(slot_bytes=2 * ALIGN, limit=2)
     taken = [buffers.take() for _ in range(3)]
     assert all(b.numel() == 2 * ALIGN and b.data_ptr() % ALIGN == 0 for b in taken)
     arena, fresh = taken[:2], taken[2]
     assert fresh.data_ptr() not in {b.data_ptr() for b in arena}
     assert arena[1].data_ptr() == arena[0].data_ptr() + 2 * ALIGN  # slices of one arena
-    if huge_pages_available():
+    if thp and huge_pages_available():
         assert _smaps_entry(arena[0].data_ptr())["THPeligible"] == "1"
     for b in taken:  # a block is a view of its buffer, past the head
         assert buffers.buffer_of(b[ALIGN:].view(torch.float32)).data_ptr() == b.data_ptr()
