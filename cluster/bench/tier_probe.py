@@ -110,7 +110,6 @@ class _RawFile:
         if self.fd is not None:
             os.close(self.fd)
         self.path.unlink(missing_ok=True)
-        del self.buf
 
 
 def probe_nvme_tier(directory: Path, block_shape: tuple[int, ...], dtype: torch.dtype, num_bytes: int,
