@@ -68,6 +68,30 @@ def test_a_block_evicted_by_its_own_put_is_dropped_not_spilled_with_stale_data()
     t.check_integrity()
 
 
+def test_the_cpu_waits_for_queued_device_copies_before_it_touches_dram():
+    """On CUDA, copies into DRAM slots are queued on a stream: every CPU read or write of the
+    storage (a put of data, an eviction carried down, a take) first waits for them."""
+    t = HostTier(2, SHAPE, torch.float32)
+    t.has_lower_tier = True
+    waits = []
+    t.wait_copies = lambda: waits.append(len(t.entries))
+    t.put([b"a"], [None], _blocks(1))
+    assert len(waits) == 1
+    t.put([b"b"], [None], fill=lambda rows, slots: None)  # a device copy fills it: no wait
+    assert len(waits) == 1
+    t.put([b"c"], [None], _blocks(3))  # evicts a (copied out for NVMe), then writes c
+    assert len(waits) == 3
+    assert torch.equal(t.take([b"c"])[0], _blocks(3)[0]) and len(waits) == 4
+
+
+def test_slot_runs_group_consecutive_slots():
+    from kvstrata.tiering.cuda_copy import slot_runs
+
+    assert slot_runs([]) == []
+    assert slot_runs([0, 1, 2, 7, 8, 15]) == [(0, 0, 3), (3, 7, 2), (5, 15, 1)]
+    assert slot_runs([4]) == [(0, 4, 1)]
+
+
 def test_host_tier_rejects_a_zero_capacity():
     with pytest.raises(ValueError, match="num_blocks"):
         HostTier(0, SHAPE, torch.float32)

@@ -55,6 +55,8 @@ class HostTier:
         self.pinned: frozenset[bytes] = frozenset()
         # with a tier below, evictions carry their data down (a copy) and pinned blocks may leave
         self.has_lower_tier = False
+        # called before the CPU reads or writes storage: on CUDA, waits for queued device copies
+        self.wait_copies: Callable[[], None] = _nothing
 
     @property
     def block_bytes(self) -> int:
@@ -114,6 +116,7 @@ class HostTier:
         if rows and fill is not None:
             fill(rows, slots)
         elif rows:
+            self.wait_copies()
             idx = torch.tensor(slots)
             self.storage.index_copy_(0, idx, data[torch.tensor(rows)] if len(rows) < len(data) else data)
         return evicted
@@ -132,6 +135,7 @@ class HostTier:
     def take(self, hashes: list[bytes]) -> torch.Tensor:
         """Remove blocks (all must be here) and return their data [n, *block_shape], in order."""
         slots = self.detach(hashes)
+        self.wait_copies()
         data = self.storage.index_select(0, torch.tensor(slots))
         self.release(slots)
         return data
@@ -179,6 +183,8 @@ class HostTier:
                 skipped.append((tick, h))
                 continue
             keep = self.has_lower_tier and not (unfilled and h in unfilled)
+            if keep:
+                self.wait_copies()
             data = self.storage[entry.slot].clone() if keep else None
             victim = Evicted(h, entry.parent_hash, data, entry.hits, entry.slot)
             self._remove(h)
@@ -212,3 +218,7 @@ class HostTier:
             if e.parent_hash is not None:
                 kids[e.parent_hash] = kids.get(e.parent_hash, 0) + 1
         assert kids == self._kids, "host child counts are off"
+
+
+def _nothing() -> None:
+    pass

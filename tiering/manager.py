@@ -95,6 +95,15 @@ class TierManager:
             from kvstrata.worker.cpu_kernels import load_cpu_kernels
 
             self.kernels = load_cpu_kernels()
+        self.counters = TierCounters()
+        # on CUDA, copies to and from pinned DRAM are queued on a copy stream (cuda_copy.py); the CPU
+        # waits for them only before it touches DRAM slots itself
+        self.cuda = None
+        if kv_cache.is_cuda:
+            from kvstrata.tiering.cuda_copy import CudaBlockCopier
+
+            self.cuda = CudaBlockCopier(kv_cache, host.storage, self.counters)
+            host.wait_copies = self.cuda.wait
         # a request takes at most this many blocks from the tiers, and at most this many are in
         # flight from NVMe, so that loads cannot push each other (or a request's own chain) out of DRAM
         self.max_load_blocks = max_load_blocks or max(1, host.num_blocks // 2)
@@ -110,7 +119,6 @@ class TierManager:
         self.loads: list[_Load] = []
         self._load_ids = itertools.count()
         self.loading: set[bytes] = set()
-        self.counters = TierCounters()
 
     # -- device -> DRAM -> NVMe ------------------------------------------------------------------
     def demote(self, evicted: list[EvictedBlock]) -> None:
@@ -139,10 +147,13 @@ class TierManager:
         def fill(rows: list[int], slots: list[int]) -> None:
             nonlocal copy_seconds
             src = [block_ids[r] for r in rows]
-            t = time.perf_counter()
-            copy_to_host(self.kv_cache, src, self.host.storage, slots, self.kernels)
-            copy_seconds = time.perf_counter() - t
-            c.demote_bytes += len(src) * self.host.block_bytes
+            if self.cuda is not None:  # queued: its bytes and seconds count once the copy stream is done
+                self.cuda.to_host(src, slots)
+            else:
+                t = time.perf_counter()
+                copy_to_host(self.kv_cache, src, self.host.storage, slots, self.kernels)
+                copy_seconds = time.perf_counter() - t
+                c.demote_bytes += len(src) * self.host.block_bytes
             if self.copy_log is not None:
                 self.copy_log.append((TO_HOST, src, slots))
 
@@ -341,9 +352,11 @@ class TierManager:
             was_here = [h in self.host for h in hashes]
             mark = self._log_mark()
             # a block read back from NVMe is being reused: it counts one hit
-            spilled = self.host.put(hashes, load.parents[:good], hits=[1] * good,
-                                    fill=lambda rows, slots: copy_blocks_into(self.host.storage, slots,
-                                                                              [blocks[r] for r in rows]))
+            def fill(rows: list[int], slots: list[int]) -> None:
+                self.host.wait_copies()
+                copy_blocks_into(self.host.storage, slots, [blocks[r] for r in rows])
+
+            spilled = self.host.put(hashes, load.parents[:good], hits=[1] * good, fill=fill)
             self._spill(spilled, mark)
             rows = [i for i, h in enumerate(hashes) if not was_here[i] and h in self.host]
             slots = [self.host.entries[hashes[i]].slot for i in rows]
@@ -399,17 +412,20 @@ class TierManager:
         blocks = allocate(len(keys))  # not timed: it may demote other blocks, which count as demotion
         t0 = time.perf_counter()
         ids = [b.block_id for b in blocks]
-        copy_to_device(self.host.storage, slots, self.kv_cache, ids, self.kernels)
+        c = self.counters
+        if self.cuda is not None:  # queued before the forward pass; counted once done (settle)
+            self.cuda.to_device(slots, ids)
+        else:
+            copy_to_device(self.host.storage, slots, self.kv_cache, ids, self.kernels)
+            c.promote_bytes += len(keys) * self.host.block_bytes
+            c.promote_seconds += time.perf_counter() - t0
         if self.copy_log is not None:
             self.copy_log.append((TO_DEVICE, slots, ids))
         self.host.release(slots)
-        c = self.counters
         if swap:
             c.swapped_in_blocks += len(keys)
         else:
             c.promoted_blocks += len(keys)
-        c.promote_bytes += len(keys) * self.host.block_bytes
-        c.promote_seconds += time.perf_counter() - t0
         return blocks
 
     # -- upkeep ----------------------------------------------------------------------------------
@@ -447,6 +463,8 @@ class TierManager:
             self.nvme.close()
 
     def stats(self) -> dict:
+        if self.cuda is not None:
+            self.cuda.settle()
         c = self.counters
         out = {
             "pinned_blocks": len(self.pins),
