@@ -7,7 +7,8 @@ Then two engines whose device pools hold about a sixth of the conversations' KV,
 holding all of it: each conversation's first turn (a long prompt), then each second turn (that prompt,
 its answer and a new message), one request at a time. It reports the second turns' hit rate and
 median time to first token, with and without the tier, beside an engine whose pool holds everything
-(every second turn a device hit), and the tier's demote and promote rates as ratios to the copy rate.
+(every second turn a device hit), and the tier's demote and promote rates as ratios to the copy rate;
+and the same tier again with its copies made in the step loop, blocking (block_copy.py's plain path).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def main() -> None:
         small = max(per_conv + 4, args.conversations * per_conv // 6)
         configs = {"hbm (roomy)": dict(num_gpu_blocks=4 * args.conversations * per_conv),
                    "hbm": dict(num_gpu_blocks=small)}
-        for name in ("hbm (roomy)", "hbm", "hbm+dram"):
+        for name in ("hbm (roomy)", "hbm", "hbm+dram", "hbm+dram (copies in the step loop)"):
             kw = configs.get(name)
             if kw is None:
                 probe = LLM(model=d, device="cuda", dtype="bfloat16", num_gpu_blocks=8)
@@ -104,6 +105,8 @@ def main() -> None:
                 del probe
                 kw = dict(num_gpu_blocks=small, cpu_kv_bytes=2 * args.conversations * per_conv * block)
             llm = LLM(model=d, device="cuda", dtype="bfloat16", **kw)
+            if name.endswith("step loop)"):  # the plain path: a gather, then a blocking copy each way
+                llm.engine.kv.tiers.cuda = None
             res = run(llm, firsts, vocab)
             dram = llm.cache_stats().get("tiers", {}).get("dram")
             if dram:
