@@ -52,8 +52,9 @@ def conversations(n: int, prompt: int, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (prompt,), generator=g).tolist() for _ in range(n)]
 
 
-def run(llm, firsts: list[list[int]], vocab: int) -> dict:
-    """First turns, then second turns; the second turns' hit rate and median time to first token."""
+def run(llm, firsts: list[list[int]], vocab: int, profile: bool = False) -> dict:
+    """First turns, then second turns; the second turns' hit rate and median time to first token.
+    `profile`: torch.profiler's table (CPU time) of the last three second turns is printed."""
     from kvstrata import SamplingParams
 
     answer = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -61,7 +62,13 @@ def run(llm, firsts: list[list[int]], vocab: int) -> dict:
     g = torch.Generator().manual_seed(9)
     replies = [llm.generate([p], answer)[0].outputs[0].token_ids for p in firsts]
     seconds, hit, total = [], 0, 0
-    for p, reply in zip(firsts, replies):
+    prof = None
+    for i, (p, reply) in enumerate(zip(firsts, replies)):
+        if profile and i == len(firsts) - 3:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+
+            prof = torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
         follow = p + list(reply) + torch.randint(3, vocab, (64,), generator=g).tolist()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -69,6 +76,10 @@ def run(llm, firsts: list[list[int]], vocab: int) -> dict:
         seconds.append(time.perf_counter() - t0)
         hit += out.num_cached_tokens
         total += len(follow)
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50),
+              flush=True)
     return {"hit_rate": hit / total, "ttft_ms_p50": statistics.median(seconds) * 1e3}
 
 
@@ -77,6 +88,7 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
     ap.add_argument("--conversations", type=int, default=24)
     ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--profile", action="store_true", help="profile three second turns with the DRAM tier")
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -107,13 +119,14 @@ def main() -> None:
             llm = LLM(model=d, device="cuda", dtype="bfloat16", **kw)
             if name.endswith("step loop)"):  # the plain path: a gather, then a blocking copy each way
                 llm.engine.kv.tiers.cuda = None
-            res = run(llm, firsts, vocab)
+            res = run(llm, firsts, vocab, profile=args.profile and name == "hbm+dram")
             dram = llm.cache_stats().get("tiers", {}).get("dram")
             if dram:
                 res.update(demote_gb_per_s=dram["demote_gb_per_s"], promote_gb_per_s=dram["promote_gb_per_s"],
                            demote_ratio=dram["demote_gb_per_s"] / ref["d2h"],
                            promote_ratio=dram["promote_gb_per_s"] / ref["h2d"],
-                           promoted_blocks=dram["promoted_blocks"], demoted_blocks=dram["demoted_blocks"])
+                           promoted_blocks=dram["promoted_blocks"], demoted_blocks=dram["demoted_blocks"],
+                           demote_overhead_s=dram["demote_overhead_s"])
             llm.check_integrity()
             report["configs"][name] = {**kw, **res}
             print(name, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}),

@@ -77,6 +77,29 @@ def test_queued_copies_land_even_when_the_pool_is_overwritten_at_once():
     assert counters.demote_seconds > 0 and counters.promote_seconds > 0
 
 
+def test_held_and_long_demotions_to_a_reused_slot_land_in_order():
+    """Small demotions wait on the device; a slot demoted into twice keeps the later block, whether
+    the later copy is held too or long enough to go at once; a promotion sees held copies."""
+    from kvstrata.tiering.cuda_copy import CudaBlockCopier
+    from kvstrata.tiering.manager import TierCounters
+
+    kv = torch.arange(2 * 2 * 16 * 4 * 1 * 4, dtype=torch.float32, device="cuda").reshape(2, 2, 16, 4, 1, 4)
+    original = kv.clone().cpu()
+    storage = torch.zeros((8, 2, 2, 4, 1, 4), pin_memory=True)
+    copier = CudaBlockCopier(kv, storage, TierCounters())
+    copier.hold_blocks = 3
+    copier.to_host([1], [4])
+    copier.to_host([2], [4])  # held as well: the later copy wins
+    copier.to_host([3], [5])
+    copier.to_device([4, 5], [10, 11])  # flushes the held copies first
+    assert torch.equal(kv[:, :, 10].cpu(), original[:, :, 2]) and torch.equal(kv[:, :, 11].cpu(), original[:, :, 3])
+    copier.to_host([6], [0])
+    copier.to_host([7, 8, 9, 12], [0, 1, 2, 3])  # longer than the hold: the held one goes first
+    copier.wait()
+    for block, slot in ((7, 0), (8, 1), (9, 2), (12, 3), (2, 4), (3, 5)):
+        assert torch.equal(storage[slot], original[:, :, block]), (block, slot)
+
+
 def test_dram_tier_on_cuda_keeps_what_a_small_pool_evicts(ckpt, prompts, expected):
     # 24 device blocks hold about two of the six prompts; the DRAM tier holds all of them
     probe = _llm(ckpt, num_gpu_blocks=8)

@@ -90,6 +90,7 @@ def test_slot_runs_group_consecutive_slots():
     assert slot_runs([]) == []
     assert slot_runs([0, 1, 2, 7, 8, 15]) == [(0, 0, 3), (3, 7, 2), (5, 15, 1)]
     assert slot_runs([4]) == [(0, 4, 1)]
+    assert slot_runs([3, 4, 5, 6], rows=[0, 1, 5, 6]) == [(0, 3, 2), (2, 5, 2)]  # rows must follow too
 
 
 def test_host_tier_rejects_a_zero_capacity():
