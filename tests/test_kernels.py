@@ -480,8 +480,8 @@ def test_a_slot_outside_the_pool_is_refused_before_the_fused_write(llm):
 @needs_kernels
 def test_crc32_equals_zlib_for_every_length_offset_and_seed():
     """The folding CRC takes 256 bytes a step where the CPU has 512-bit carry-less multiplies, then
-    64, then 16, then single bytes: every length around those steps, unaligned starts and a running
-    value carried in must give zlib's values."""
+    64, then 16, then single bytes: every length around those steps, unaligned starts (of the
+    source and of a copy's destination) and a running value carried in must give zlib's values."""
     import random
     import zlib
 
@@ -492,9 +492,13 @@ def test_crc32_equals_zlib_for_every_length_offset_and_seed():
         data = buf[off : off + n]
         init = rng.randrange(1 << 32) if n % 2 else 0
         assert KERNELS.crc32(data, init) == zlib.crc32(data.numpy(), init), (n, off)
-        copy = torch.zeros(data.numel(), dtype=torch.uint8)
-        assert KERNELS.copy_crc32(data, copy) == zlib.crc32(data.numpy()), (n, off)
-        assert torch.equal(copy, data), (n, off)
+        # into a 64-byte aligned destination (the copy streams around the caches) or not
+        dst_off = rng.choice([0, 0, 3, 16])
+        copy = torch.zeros(data.numel() + 64 + dst_off, dtype=torch.uint8)
+        start = -copy.data_ptr() % 64 + dst_off
+        copy = copy[start : start + data.numel()]
+        assert KERNELS.copy_crc32(data, copy) == zlib.crc32(data.numpy()), (n, off, dst_off)
+        assert torch.equal(copy, data), (n, off, dst_off)
     # any dtype's bytes, as the NVMe tier stages blocks
     block = torch.randn(30, 2, 16, 3, 64)
     assert KERNELS.crc32(block) == zlib.crc32(block.numpy().tobytes())

@@ -57,6 +57,8 @@ class HostTier:
         self.has_lower_tier = False
         # called before the CPU reads or writes storage: on CUDA, waits for queued device copies
         self.wait_copies: Callable[[], None] = _nothing
+        # copies an evicted block out for the tier below (which may stage it for its write)
+        self.copy_out: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.clone
 
     @property
     def block_bytes(self) -> int:
@@ -185,7 +187,7 @@ class HostTier:
             keep = self.has_lower_tier and not (unfilled and h in unfilled)
             if keep:
                 self.wait_copies()
-            data = self.storage[entry.slot].clone() if keep else None
+            data = self.copy_out(self.storage[entry.slot]) if keep else None
             victim = Evicted(h, entry.parent_hash, data, entry.hits, entry.slot)
             self._remove(h)
             self.evictions += 1

@@ -81,6 +81,8 @@ class TierManager:
         nvme_blocks = nvme.capacity_bytes // nvme.file_bytes if nvme is not None else 0
         self.max_tracked_hashes = 4 * (host.num_blocks + nvme_blocks)
         host.has_lower_tier = nvme is not None
+        if nvme is not None:  # a block DRAM evicts is copied straight into a write buffer of the tier
+            host.copy_out = nvme.staged_copy
         # pins: block hash -> (expiry, tenant). Pinned blocks may move down but are never dropped,
         # so all pins together must fit the lowest tier: half of it, and a quota per tenant
         bottom = nvme_blocks or host.num_blocks
@@ -270,6 +272,7 @@ class TierManager:
         nvme = self.nvme
         for ev in spilled:
             if ev.block_hash.startswith(SWAP_PREFIX):
+                nvme.release_staged(ev.data)
                 continue
             if rec is not None:  # leaves DRAM; NVMe may keep it (its write may still fail: advisory)
                 rec.removed([ev.block_hash], DRAM)
@@ -279,9 +282,11 @@ class TierManager:
             times_computed = self._computed.get(ev.block_hash, 0)
             if not self.admission.admits(ev.hits, times_computed, pinned, disk_full) and ev.block_hash not in nvme:
                 self.counters.admission_rejects += 1
+                nvme.release_staged(ev.data)
                 continue
             if pending >= self.max_pending_writes and not pinned:
                 self.counters.spill_drops += 1  # the disk is behind: drop rather than queue without bound
+                nvme.release_staged(ev.data)
                 continue
             self.nvme.put(ev.block_hash, ev.parent_hash, ev.data)
             if self.copy_log is not None:
@@ -485,6 +490,7 @@ class TierManager:
     def check_integrity(self) -> None:
         self.host.check_integrity()
         if self.nvme is not None:
+            assert self.nvme.num_staged == 0, "a block staged for NVMe was neither put nor released"
             self.nvme.flush()
             self.nvme.check_integrity()
 

@@ -39,10 +39,12 @@ from kvstrata.tiering.nvme_index import BlockIndex, IndexEntry
 from kvstrata.tiering.slab import SLAB_BYTES, SlabFiles, SlabGeometry
 from kvstrata.tiering.slab_scan import check_disk, rebuild
 from kvstrata.tiering.slot_io import ReadBuffers, SlotIO, SlotWrite
+from kvstrata.tiering.slot_stage import StagedCopies
 from kvstrata.tiering.slots import SlotTable
 
 RUN_BYTES = 1 << 20  # the most one pwrite or preadv moves: adjacent slots go together up to this
 READ_BUFFER_BYTES = 256 << 20  # read buffers (an arena on huge pages, slot_io.ReadBuffers) kept for reuse
+STAGED_BUFFER_BYTES = 64 << 20  # write buffers that blocks leaving DRAM are staged in (slot_stage.py)
 
 
 @dataclass(slots=True, eq=False)
@@ -50,6 +52,7 @@ class _PendingWrite:
     block_hash: bytes
     parent_hash: bytes | None
     data: torch.Tensor
+    staged: torch.Tensor | None = None  # the write buffer `data` was staged in (slot_stage.py)
     future: Future = field(default_factory=Future)
 
 
@@ -164,6 +167,8 @@ class NvmeTier:
             self._read_buffers = ReadBuffers(self.geometry.slot_bytes, max(8, READ_BUFFER_BYTES // self.geometry.slot_bytes))
             self._io = SlotIO(self._slabs, layout_tag, dtype, shape, self.payload_bytes,
                               max(1, RUN_BYTES // self.geometry.slot_bytes), self._read_buffers)
+            self._staged = StagedCopies(self.geometry.slot_bytes, head_bytes, dtype, shape, self.payload_bytes,
+                                        max(8, STAGED_BUFFER_BYTES // self.geometry.slot_bytes))
             self._executor = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kvstrata-nvme",
                                                 initializer=self._start_io_thread)
             try:
@@ -231,23 +236,39 @@ class NvmeTier:
             if parent_hash == block_hash:
                 raise ValueError("parent_hash must differ from block_hash")
         self._check_data(data)
+        staged = self._staged.claim(data)
         with self._lock:
             self._check_open()
             entry = self._index.get(block_hash)
-            if entry is not None:
-                self._index.touch(block_hash, entry)
-                return _done(True)
             pending = self._pending.get(block_hash)
-            if pending is not None:
-                return pending.future
-            if self.geometry.num_slots == 0:
-                return _done(False)
-            pending = _PendingWrite(block_hash, parent_hash, data)
+            if entry is not None or pending is not None or self.geometry.num_slots == 0:
+                if staged is not None:
+                    self._staged.give([staged])
+                if entry is not None:
+                    self._index.touch(block_hash, entry)
+                    return _done(True)
+                return pending.future if pending is not None else _done(False)
+            pending = _PendingWrite(block_hash, parent_hash, data, staged)
             self._pending[block_hash] = pending
             self._queue.append(pending)
             self._writes_in_flight.add(pending.future)
             self._executor.submit(self._write_queued)  # one call per put: a call may find its write taken
             return pending.future
+
+    def staged_copy(self, block: torch.Tensor) -> torch.Tensor:
+        """A copy of a block about to be put, staged for its write where it can be (slot_stage.py):
+        the copy a tier above makes of a block it evicts. Put it, or hand it to release_staged."""
+        self._check_data(block)
+        return self._staged.copy(block)
+
+    def release_staged(self, data: torch.Tensor | None) -> None:
+        """A staged copy that will not be put after all."""
+        self._staged.release(data)
+
+    @property
+    def num_staged(self) -> int:
+        """Staged copies neither put nor released yet."""
+        return len(self._staged)
 
     def discard(self, block_hash: bytes) -> bool:
         """Drop a block (and any write of it in flight); False if the tier did not have it. The
@@ -442,7 +463,8 @@ class NvmeTier:
                     if self._pending.get(p.block_hash) is p:  # else discarded before its turn
                         slot = self._allocate()
                         if slot is not None:
-                            taken[-1] = (p, SlotWrite(slot, p.block_hash, p.parent_hash, p.data, self._next_seq))
+                            taken[-1] = (p, SlotWrite(slot, p.block_hash, p.parent_hash, p.data, self._next_seq,
+                                                      p.staged))
                             self._next_seq += 1
             written = self._io.write([w for _, w in taken if w is not None])
             # no fsync: a slot torn by power loss fails its checksum and reads as a miss
@@ -475,6 +497,7 @@ class NvmeTier:
             self._counters.write_seconds += self._write_clock.end() - start
         for slot in to_erase:
             self._erase(slot)
+        self._staged.give([p.staged for p, _ in taken if p.staged is not None])
         for p, stored in results:
             p.future.set_result(stored)
         with self._lock:

@@ -41,6 +41,16 @@ def stage(slot: torch.Tensor, header: BlockHeader, data: torch.Tensor) -> None:
     memoryview(slot.numpy())[:offset] = replace(header, payload_crc=crc).pack()
 
 
+def stash_crc(slot: torch.Tensor, crc: int) -> None:
+    """Keep a block's payload CRC in the first bytes of a slot buffer whose head is not written yet
+    (slot_stage.py); the head written over it carries the CRC in its proper place."""
+    memoryview(slot.numpy())[:4] = crc.to_bytes(4, "little")
+
+
+def stashed_crc(slot: torch.Tensor) -> int:
+    return int.from_bytes(slot[:4].numpy().tobytes(), "little")
+
+
 def unstage(buf: torch.Tensor, block_hash: bytes, is_our_layout, dtype: torch.dtype,
             shape: tuple[int, ...]) -> torch.Tensor:
     """The block in a slot just read [slot_bytes], as a view of its payload; ValueError for a bad

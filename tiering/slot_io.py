@@ -15,7 +15,7 @@ import torch
 from kvstrata.tiering.block_file import ALIGN, BlockHeader
 from kvstrata.tiering.disk_io import aligned_buffer, io_buffer
 from kvstrata.tiering.slab import SlabFiles
-from kvstrata.tiering.slot_codec import stage, unstage
+from kvstrata.tiering.slot_codec import stage, stashed_crc, unstage
 
 
 class ReadBuffers:
@@ -99,6 +99,7 @@ class SlotWrite:
     parent_hash: bytes | None
     data: torch.Tensor
     seq: int  # the write's sequence number, in its header
+    staged: torch.Tensor | None = None  # the slot buffer `data` was staged in (slot_stage.py), if it was
 
 
 class SlotIO:
@@ -139,11 +140,20 @@ class SlotIO:
         return written
 
     def _write_run(self, run: list[SlotWrite]) -> None:
-        """Adjacent slots, staged one after another in this thread's aligned buffer, in one pwrite.
+        """Adjacent slots, staged one after another in this thread's aligned buffer, in one pwrite;
+        a single slot staged as it left DRAM is written from its own buffer.
 
             staging: [ slot (slot_codec.py) ][ next slot ] ...
                      0                        S             2S
         """
+        if len(run) == 1 and run[0].staged is not None:  # staged as it left DRAM: only the header is left
+            w = run[0]
+            buf = w.staged  # [S]
+            head = BlockHeader(w.block_hash, w.parent_hash or b"", self.layout_tag, self.dtype_name, self.block_shape,
+                               self.payload_bytes, stashed_crc(buf), w.seq).pack()
+            memoryview(buf.numpy())[:len(head)] = head
+            self.slabs.write(w.slot, memoryview(buf.numpy()))
+            return
         size = self.slabs.geometry.slot_bytes  # S
         staging = self._staging()  # [max_run * S]
         for k, w in enumerate(run):

@@ -167,7 +167,8 @@ def _put_burst(tier, keys: list[bytes], part: range, patterns: list[torch.Tensor
     """Seconds from the first put of keys[part] to the last block stored; RuntimeError if one was not."""
     gc.collect()  # a collection in the middle would time the interpreter, not the tier
     start = clock()
-    futures = [tier.put(keys[i], None, patterns[i % len(patterns)]) for i in part]
+    # each block copied out as DRAM copies the blocks it evicts: into a write buffer where the tier stages them
+    futures = [tier.put(keys[i], None, tier.staged_copy(patterns[i % len(patterns)])) for i in part]
     stored = [f.result() for f in futures]
     seconds = clock() - start
     if not all(stored):

@@ -59,9 +59,16 @@ static inline __m512i fold512(__m512i x, __m512i k) {
     return _mm512_xor_si512(_mm512_clmulepi64_epi128(x, k, 0x00), _mm512_clmulepi64_epi128(x, k, 0x11));
 }
 
-static inline __m512i load_copy512(const uint8_t *src, uint8_t *dst) {
+/* A copy's 64 bytes go around the caches (non-temporal) where dst is 64-byte aligned: the slots
+ * copied are megabytes that the disk reads next, not the CPU, and a store that went through the
+ * cache would first read each line it fills. On a 2-core Xeon, a 0.74 MB copy with its CRC from
+ * and to memory out of cache took 92 us this way against 117 (the CRC alone: 84). */
+static inline __m512i load_copy512(const uint8_t *src, uint8_t *dst, int stream) {
     __m512i v = _mm512_loadu_si512((const void *)src);
-    if (dst != NULL) _mm512_storeu_si512((void *)dst, v);
+    if (dst != NULL) {
+        if (stream) _mm512_stream_si512((void *)dst, v);
+        else _mm512_storeu_si512((void *)dst, v);
+    }
     return v;
 }
 
@@ -72,21 +79,24 @@ static __m128i fold_wide(uint32_t crc, const uint8_t *src, uint8_t *dst, size_t 
     const __m512i by_sixteen = _mm512_broadcast_i32x4(_mm_set_epi64x(0x1322d1430, 0x11542778a));
     const __m512i by_four = _mm512_broadcast_i32x4(_mm_set_epi64x(0x1c6e41596, 0x154442bd4));
     const __m128i by_one = _mm_set_epi64x(0x0ccaa009e, 0x1751997d0);
-    __m512i z0 = load_copy512(src, dst), z1 = load_copy512(src + 64, dst ? dst + 64 : NULL);
-    __m512i z2 = load_copy512(src + 128, dst ? dst + 128 : NULL), z3 = load_copy512(src + 192, dst ? dst + 192 : NULL);
+    const int s = dst != NULL && ((uintptr_t)dst & 63) == 0;
+    __m512i z0 = load_copy512(src, dst, s), z1 = load_copy512(src + 64, dst ? dst + 64 : NULL, s);
+    __m512i z2 = load_copy512(src + 128, dst ? dst + 128 : NULL, s);
+    __m512i z3 = load_copy512(src + 192, dst ? dst + 192 : NULL, s);
     z0 = _mm512_xor_si512(z0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)crc)));
     size_t i = 256;
     for (; i + 256 <= n; i += 256) {
         uint8_t *d = dst ? dst + i : NULL;
-        z0 = _mm512_xor_si512(fold512(z0, by_sixteen), load_copy512(src + i, d));
-        z1 = _mm512_xor_si512(fold512(z1, by_sixteen), load_copy512(src + i + 64, d ? d + 64 : NULL));
-        z2 = _mm512_xor_si512(fold512(z2, by_sixteen), load_copy512(src + i + 128, d ? d + 128 : NULL));
-        z3 = _mm512_xor_si512(fold512(z3, by_sixteen), load_copy512(src + i + 192, d ? d + 192 : NULL));
+        z0 = _mm512_xor_si512(fold512(z0, by_sixteen), load_copy512(src + i, d, s));
+        z1 = _mm512_xor_si512(fold512(z1, by_sixteen), load_copy512(src + i + 64, d ? d + 64 : NULL, s));
+        z2 = _mm512_xor_si512(fold512(z2, by_sixteen), load_copy512(src + i + 128, d ? d + 128 : NULL, s));
+        z3 = _mm512_xor_si512(fold512(z3, by_sixteen), load_copy512(src + i + 192, d ? d + 192 : NULL, s));
     }
     z0 = _mm512_xor_si512(fold512(z0, by_four), z1);
     z0 = _mm512_xor_si512(fold512(z0, by_four), z2);
     z0 = _mm512_xor_si512(fold512(z0, by_four), z3);
-    for (; i + 64 <= n; i += 64) z0 = _mm512_xor_si512(fold512(z0, by_four), load_copy512(src + i, dst ? dst + i : NULL));
+    for (; i + 64 <= n; i += 64) z0 = _mm512_xor_si512(fold512(z0, by_four), load_copy512(src + i, dst ? dst + i : NULL, s));
+    if (s) _mm_sfence();  /* the streamed stores reach memory before any store after them */
     __m128i x = _mm512_extracti32x4_epi32(z0, 0);
     x = _mm_xor_si128(fold(x, by_one), _mm512_extracti32x4_epi32(z0, 1));
     x = _mm_xor_si128(fold(x, by_one), _mm512_extracti32x4_epi32(z0, 2));
