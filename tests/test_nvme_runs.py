@@ -258,3 +258,61 @@ def test_a_bad_slots_buffer_goes_straight_back(tmp_path):
     got = tier.get_many([h("b2")]).result()
     assert got == [None] and len(tier._read_buffers) == 1
     tier.close()
+
+
+def no_slot_being_read(tier) -> bool:
+    return not any(tier._slots.is_being_read(s) for s in range(tier.geometry.num_slots))
+
+
+def test_a_threads_runs_are_checked_on_checker_threads_while_it_reads_on(tmp_path, monkeypatch):
+    """One IO thread, one slot per run: it reads the eight runs one after another, and each but the
+    last is checked on a checker thread meanwhile; bad slots there are misses, dropped and counted."""
+    monkeypatch.setattr(nvme, "RUN_BYTES", SLOT)
+    tier = filled(tmp_path, num_io_threads=1)
+    for name in ("b2", "b7"):  # one run checked on a checker thread, and the last, checked in place
+        in_payload = offset_of(tier, h(name)) + ALIGN + 10
+        patch(slab0(tier), in_payload, bytes([slot_bytes(slab0(tier), in_payload, 1)[0] ^ 0xFF]))
+    checked_on = []
+    check_run = nvme.SlotIO.check_run
+
+    def recording(self, bufs, read_ok, hashes):
+        checked_on.append(threading.current_thread().name.split("_")[0])
+        return check_run(self, bufs, read_ok, hashes)
+
+    monkeypatch.setattr(nvme.SlotIO, "check_run", recording)
+    got = tier.get_many([h(n) for n in NAMES]).result(timeout=10)
+    assert sorted(checked_on) == ["kvstrata-nvme"] + ["kvstrata-nvme-check"] * (len(NAMES) - 1)
+    assert [g is not None for g in got] == [n not in ("b2", "b7") for n in NAMES]
+    assert all(same(g, data_of(n)) for n, g in zip(NAMES, got) if g is not None)
+    assert h("b2") not in tier and h("b7") not in tier and tier.stats()["checksum_failures"] == 2
+    assert no_slot_being_read(tier)
+    tier.check_integrity()
+    tier.close()
+
+
+@pytest.mark.parametrize("fails", ["check", "read"])
+def test_a_bug_in_a_runs_check_or_read_reaches_the_caller_and_every_slot_is_let_go(tmp_path, monkeypatch, fails):
+    """A check that raises on a checker thread, or a read that raises halfway through a thread's
+    runs: the caller's future carries the error, no slot stays marked as being read (so all can be
+    evicted and reused), and the tier goes on reading."""
+    monkeypatch.setattr(nvme, "RUN_BYTES", SLOT)
+    tier = filled(tmp_path, num_io_threads=1)
+    calls = []
+    name = "check_run" if fails == "check" else "read_raw"
+    real = getattr(nvme.SlotIO, name)
+
+    def third_fails(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return real(self, *args)
+
+    monkeypatch.setattr(nvme.SlotIO, name, third_fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        tier.get_many([h(n) for n in NAMES]).result(timeout=10)
+    assert no_slot_being_read(tier)
+    monkeypatch.setattr(nvme.SlotIO, name, real)
+    got = tier.get_many([h(n) for n in NAMES]).result(timeout=10)
+    assert all(same(g, data_of(n)) for n, g in zip(NAMES, got))
+    tier.check_integrity()
+    tier.close()

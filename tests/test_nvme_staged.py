@@ -67,7 +67,8 @@ def test_every_write_buffer_comes_back(tmp_path, staging_enabled):
 
 def test_a_discarded_staged_write_gives_its_buffer_back(tmp_path, staging_enabled):
     tier = tier_at(tmp_path / "nvme", num_io_threads=1)
-    futures = [tier.put(h(n), None, tier.staged_copy(data_of(n))) for n in "abc"]
+    copies = [tier.staged_copy(data_of(n)) for n in "abc"]  # three buffers (a write done early frees one for reuse)
+    futures = [tier.put(h(n), None, c) for n, c in zip("abc", copies)]
     tier.discard(h("c"))  # queued behind the others, or in flight: either way not stored
     tier.flush()
     assert [f.result() for f in futures][:2] == [True, True] and h("c") not in tier

@@ -171,10 +171,13 @@ class NvmeTier:
                                         max(8, STAGED_BUFFER_BYTES // self.geometry.slot_bytes))
             self._executor = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kvstrata-nvme",
                                                 initializer=self._start_io_thread)
+            # checks blocks an IO thread has read while it reads its next ones (_read_sorted)
+            self._checker = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kvstrata-nvme-check")
             try:
                 self._open()
             except BaseException:
                 self._executor.shutdown(wait=True)
+                self._checker.shutdown(wait=True)
                 self._slabs.close()
                 raise
         except BaseException:
@@ -302,6 +305,7 @@ class NvmeTier:
             self._closed = True  # from here on put, get and discard raise, so the flush below is final
         self.flush()
         self._executor.shutdown(wait=True)
+        self._checker.shutdown(wait=True)  # idle by now: an IO thread's read waits for its checks
         with self._erased:
             self._erased.wait_for(lambda: not self._slots.erasing)  # a discard on another thread
         self._slabs.close()
@@ -330,7 +334,8 @@ class NvmeTier:
 
     def get_many(self, hashes: list[bytes]) -> Future:
         """Like get for each hash. The disk reads go in slot order, split into one share of adjacent
-        slots per IO thread, each run of adjacent slots in one preadv."""
+        slots per IO thread, each run of adjacent slots in one preadv, checked on a checker thread
+        while the IO thread reads its next run."""
         out: list[torch.Tensor | None] = [None] * len(hashes)
         to_read: list[tuple[int, bytes, IndexEntry]] = []
         with self._lock:
@@ -401,30 +406,66 @@ class NvmeTier:
                 else:
                     self._counters.misses += 1
         slots = [entry.slot for _, _, entry in reading]
+        runs = []
         i = 0
         while i < len(reading):
             n = self._slabs.run_length(slots, i, self._io.max_run)
-            self._read_run(reading[i:i + n], out, touch)
+            runs.append(reading[i:i + n])
             i += n
+        # each run but the last is checked by a checker thread while this thread reads the next
+        checks: list[Future] = []
+        done = 0
+        try:
+            for done, run in enumerate(runs, 1):
+                check = self._read_run(run, out, touch, self._checker if done < len(runs) else None)
+                if check is not None:
+                    checks.append(check)
+        finally:
+            if done < len(runs):  # a bug or MemoryError on the way: the runs not read are let go too
+                self._let_go([item for run in runs[done:] for item in run], None, out, touch, self._read_clock.begin())
+            wait_all(checks)
+        for check in checks:
+            check.result()  # a bug in a check reaches the caller's future
 
-    def _read_run(self, run: list[_ToRead], out: list, touch: bool) -> None:
-        """Adjacent slots, each marked as being read: read, check and let go of every one."""
-        results: list[tuple[torch.Tensor | None, bool]] = [(None, False)] * len(run)  # (block, bad slot)
+    def _read_run(self, run: list[_ToRead], out: list, touch: bool,
+                  checker: ThreadPoolExecutor | None) -> Future | None:
+        """Adjacent slots, each marked as being read: read them, then check and let go of every one,
+        here or (with a checker) on a checker thread, whose future this returns."""
         start = self._read_clock.begin()
         try:
-            results = self._io.read_run([entry.slot for _, _, entry in run], [h for _, h, _ in run])
-        finally:  # also on a bug or MemoryError, which the caller's future then carries: the slots are let go
-            seconds = self._read_clock.end() - start
-            to_erase = []
-            with self._lock:
-                self._counters.read_seconds += seconds
-                for (i, block_hash, entry), (data, bad) in zip(run, results):
-                    out[i] = data
-                    slot = self._end_read(block_hash, entry, data, bad, touch)
-                    if slot is not None:
-                        to_erase.append(slot)
-            for slot in to_erase:
-                self._erase(slot)
+            bufs, read_ok = self._io.read_raw([entry.slot for _, _, entry in run])
+        except BaseException:  # a bug or MemoryError, which the caller's future then carries
+            self._let_go(run, None, out, touch, start)
+            raise
+        if checker is None:
+            self._check_run(run, bufs, read_ok, out, touch, start)
+            return None
+        return checker.submit(self._check_run, run, bufs, read_ok, out, touch, start)
+
+    def _check_run(self, run: list[_ToRead], bufs: list[torch.Tensor], read_ok: list[bool], out: list,
+                   touch: bool, start: float) -> None:
+        results = None
+        try:
+            results = self._io.check_run(bufs, read_ok, [h for _, h, _ in run])
+        finally:  # also on a bug: the slots are let go
+            self._let_go(run, results, out, touch, start)
+
+    def _let_go(self, run: list[_ToRead], results: list[tuple[torch.Tensor | None, bool]] | None, out: list,
+                touch: bool, start: float) -> None:
+        """The end of a run's read (begun at `start`): its blocks into `out`, each (block, bad slot)
+        of `results` counted, bad slots dropped and erased; no results: all misses, none bad."""
+        seconds = self._read_clock.end() - start
+        results = results or [(None, False)] * len(run)
+        to_erase = []
+        with self._lock:
+            self._counters.read_seconds += seconds
+            for (i, block_hash, entry), (data, bad) in zip(run, results):
+                out[i] = data
+                slot = self._end_read(block_hash, entry, data, bad, touch)
+                if slot is not None:
+                    to_erase.append(slot)
+        for slot in to_erase:
+            self._erase(slot)
 
     def _end_read(self, block_hash: bytes, entry: IndexEntry, data: torch.Tensor | None, bad: bool,
                   touch: bool) -> int | None:
