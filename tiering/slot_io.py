@@ -171,14 +171,10 @@ class SlotIO:
         return staging  # [max_run * slot_bytes]
 
     # -- reads -----------------------------------------------------------------------------------
-    def read_run(self, slots: list[int], hashes: list[bytes]) -> list[tuple[torch.Tensor | None, bool]]:
-        """Adjacent slots (see run_length), in one preadv: (block, False) for each good one, (None,
-        True) for a bad one (IO error, no header, another block or layout, a failed checksum)."""
-        return self.check_run(*self.read_raw(slots), hashes)
-
     def read_raw(self, slots: list[int]) -> tuple[list[torch.Tensor], list[bool]]:
-        """Adjacent slots in one preadv, unchecked: a buffer [slot_bytes] each, and whether it was
-        read. If the preadv fails, the slots are read one by one, so that only a bad slot is lost."""
+        """Adjacent slots (see run_length) in one preadv, unchecked: a buffer [slot_bytes] each, and
+        whether it was read. If the preadv fails, the slots are read one by one, so that only a bad
+        slot is lost."""
         bufs = [self.buffers.take() for _ in slots]  # the blocks will be views of them
         try:
             self.slabs.read_run(slots[0], bufs)
@@ -188,7 +184,9 @@ class SlotIO:
 
     def check_run(self, bufs: list[torch.Tensor], read_ok: list[bool],
                   hashes: list[bytes]) -> list[tuple[torch.Tensor | None, bool]]:
-        """read_run's answer for buffers read_raw filled; a bad block's buffer goes back to the pool."""
+        """For buffers read_raw filled: (block, False) for each good one, a view of its buffer, and
+        (None, True) for a bad one (IO error, no header, another block or layout, a failed
+        checksum), whose buffer goes back to the pool."""
         out = [self._check(buf, block_hash) if ok else (None, True)
                for buf, block_hash, ok in zip(bufs, hashes, read_ok)]
         self.buffers.give([buf for buf, (block, _) in zip(bufs, out) if block is None])
