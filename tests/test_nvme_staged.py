@@ -4,13 +4,16 @@ write buffer comes back to the pool however the put ends."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from kvstrata.tiering import slot_io
 from kvstrata.tiering.block_file import ALIGN
+from kvstrata.tiering.slab import SlabFiles
 from kvstrata.tiering.slot_stage import StagedCopies
-from tests.test_nvme_tier import PAYLOAD, SHAPE, data_of, h, offset_of, same, slab0, slot_bytes, tier_at
+from tests.test_nvme_tier import PAYLOAD, SHAPE, SLOT, data_of, h, offset_of, same, slab0, slot_bytes, tier_at
 
 
 @pytest.fixture
@@ -84,3 +87,34 @@ def test_staged_copies_are_plain_clones_where_heads_differ_in_length():
     copy = copies.copy(data)
     assert not copies.enabled and same(copy, data) and copy.data_ptr() != data.data_ptr()
     assert copies.claim(copy) is None and len(copies) == 0
+
+
+def test_a_run_of_staged_blocks_goes_out_in_one_pwritev_without_staging_again(tmp_path, staging_enabled, monkeypatch):
+    """The first write is held, so the three queued behind it form one run of adjacent slots: all
+    staged as they left DRAM, they go from their own buffers, with no copy into the IO thread's."""
+    started, release, runs = threading.Event(), threading.Event(), []
+    write_run = SlabFiles.write_run
+
+    def held(self, slot, bufs):
+        runs.append((slot, len(bufs)))
+        if not started.is_set():
+            started.set()
+            assert release.wait(10)
+        return write_run(self, slot, bufs)
+
+    def no_staging(*a):
+        raise AssertionError("a staged block was staged again")
+
+    monkeypatch.setattr(SlabFiles, "write_run", held)
+    monkeypatch.setattr(slot_io, "stage", no_staging)
+    tier = tier_at(tmp_path / "nvme", capacity=8 * SLOT, num_io_threads=1)
+    copies = [tier.staged_copy(data_of(n)) for n in "abcd"]
+    futures = [tier.put(h("a"), None, copies[0])]
+    assert started.wait(10)
+    futures += [tier.put(h(n), None, c) for n, c in zip("bcd", copies[1:])]
+    release.set()
+    assert [f.result(timeout=10) for f in futures] == [True] * 4
+    assert runs == [(0, 1), (1, 3)] and tier.num_staged == 0
+    assert all(same(tier.get(h(n)).result(), data_of(n)) for n in "abcd")
+    tier.check_integrity()
+    tier.close()

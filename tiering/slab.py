@@ -123,6 +123,13 @@ class SlabFiles:
         if os.pwrite(self._fd(k), data, offset) != len(data):
             raise OSError(errno.EIO, f"short write of slot {slot}")
 
+    def write_run(self, slot: int, bufs: list[memoryview]) -> None:
+        """One pwritev of adjacent slots from `slot` on (in one slab), each from its own aligned
+        buffer of one slot."""
+        k, offset = self.geometry.locate(slot)
+        if os.pwritev(self._fd(k), bufs, offset) != sum(len(b) for b in bufs):
+            raise OSError(errno.EIO, f"short write of slots from {slot}")
+
     def read(self, slot: int, buf: torch.Tensor) -> None:
         """One pread of a whole slot into an aligned buffer [slot_bytes]."""
         k, offset = self.geometry.locate(slot)

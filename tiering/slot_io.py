@@ -141,26 +141,26 @@ class SlotIO:
 
     def _write_run(self, run: list[SlotWrite]) -> None:
         """Adjacent slots, staged one after another in this thread's aligned buffer, in one pwrite;
-        a single slot staged as it left DRAM is written from its own buffer.
+        slots all staged as they left DRAM are written from their own buffers, in one pwritev.
 
             staging: [ slot (slot_codec.py) ][ next slot ] ...
                      0                        S             2S
         """
-        if len(run) == 1 and run[0].staged is not None:  # staged as it left DRAM: only the header is left
-            w = run[0]
-            buf = w.staged  # [S]
-            head = BlockHeader(w.block_hash, w.parent_hash or b"", self.layout_tag, self.dtype_name, self.block_shape,
-                               self.payload_bytes, stashed_crc(buf), w.seq).pack()
-            memoryview(buf.numpy())[:len(head)] = head
-            self.slabs.write(w.slot, memoryview(buf.numpy()))
+        if all(w.staged is not None for w in run):  # staged as they left DRAM: only the headers are left
+            for w in run:
+                head = self._header(w, stashed_crc(w.staged)).pack()
+                memoryview(w.staged.numpy())[:len(head)] = head
+            self.slabs.write_run(run[0].slot, [memoryview(w.staged.numpy()) for w in run])
             return
         size = self.slabs.geometry.slot_bytes  # S
         staging = self._staging()  # [max_run * S]
         for k, w in enumerate(run):
-            header = BlockHeader(w.block_hash, w.parent_hash or b"", self.layout_tag, self.dtype_name,
-                                 self.block_shape, self.payload_bytes, 0, w.seq)
-            stage(staging[k * size:(k + 1) * size], header, w.data)
+            stage(staging[k * size:(k + 1) * size], self._header(w, 0), w.data)
         self.slabs.write(run[0].slot, memoryview(staging[:len(run) * size].numpy()))
+
+    def _header(self, w: SlotWrite, payload_crc: int) -> BlockHeader:
+        return BlockHeader(w.block_hash, w.parent_hash or b"", self.layout_tag, self.dtype_name, self.block_shape,
+                           self.payload_bytes, payload_crc, w.seq)
 
     def _staging(self) -> torch.Tensor:
         """This IO thread's aligned staging buffer, a run of slots long, reused for every write."""
