@@ -270,6 +270,7 @@ class TierManager:
                 rec.removed([e.block_hash for e in spilled if not e.block_hash.startswith(SWAP_PREFIX)], DRAM)
             return
         nvme = self.nvme
+        puts = []  # queued together, so that the IO threads share the burst out in large writes
         for ev in spilled:
             if ev.block_hash.startswith(SWAP_PREFIX):
                 nvme.release_staged(ev.data)
@@ -277,7 +278,7 @@ class TierManager:
             if rec is not None:  # leaves DRAM; NVMe may keep it (its write may still fail: advisory)
                 rec.removed([ev.block_hash], DRAM)
             pinned = ev.block_hash in self.pins
-            pending = nvme.num_pending_writes
+            pending = nvme.num_pending_writes + len(puts)
             disk_full = nvme.used_bytes + (pending + 1) * nvme.file_bytes > nvme.capacity_bytes
             times_computed = self._computed.get(ev.block_hash, 0)
             if not self.admission.admits(ev.hits, times_computed, pinned, disk_full) and ev.block_hash not in nvme:
@@ -288,7 +289,7 @@ class TierManager:
                 self.counters.spill_drops += 1  # the disk is behind: drop rather than queue without bound
                 nvme.release_staged(ev.data)
                 continue
-            self.nvme.put(ev.block_hash, ev.parent_hash, ev.data)
+            puts.append((ev.block_hash, ev.parent_hash, ev.data))
             if self.copy_log is not None:
                 hashes = encode_hashes([ev.block_hash, ev.parent_hash or b""])
                 self.copy_log.insert(mark, (SPILL, [ev.slot], hashes))
@@ -296,6 +297,8 @@ class TierManager:
             self.counters.spilled_to_nvme += 1
             if rec is not None:
                 rec.stored([ev.block_hash], ev.parent_hash, NVME)
+        if puts:
+            nvme.put_many(puts)
 
     # -- lookup and promotion --------------------------------------------------------------------
     def lookup(self, hashes: list[bytes], allow_load: bool = True) -> tuple[int, bool]:

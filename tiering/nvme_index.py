@@ -33,9 +33,10 @@ class BlockIndex:
     def get(self, block_hash: bytes) -> IndexEntry | None:
         return self.entries.get(block_hash)
 
-    def insert(self, block_hash: bytes, parent_hash: bytes | None, slot: int, seq: int) -> IndexEntry:
-        """Add a block as the most recently used."""
-        entry = IndexEntry(parent_hash, slot, seq, self._next_tick())
+    def insert(self, block_hash: bytes, parent_hash: bytes | None, slot: int, seq: int,
+               tick: int | None = None) -> IndexEntry:
+        """Add a block as the most recently used, or as used at `tick` (from next_tick, taken earlier)."""
+        entry = IndexEntry(parent_hash, slot, seq, self.next_tick() if tick is None else tick)
         self.entries[block_hash] = entry
         if parent_hash is not None:
             self.parent_to_children.setdefault(parent_hash, set()).add(block_hash)
@@ -58,7 +59,7 @@ class BlockIndex:
         return entry
 
     def touch(self, block_hash: bytes, entry: IndexEntry) -> None:
-        entry.last_access = self._next_tick()
+        entry.last_access = self.next_tick()
         if block_hash not in self.parent_to_children:
             self._push_leaf(block_hash, entry)
 
@@ -105,6 +106,7 @@ class BlockIndex:
                                if h not in self.parent_to_children]
             heapq.heapify(self._leaf_heap)
 
-    def _next_tick(self) -> int:
+    def next_tick(self) -> int:
+        """A recency later than every one given so far."""
         self._tick += 1
         return self._tick

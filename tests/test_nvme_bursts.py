@@ -1,0 +1,142 @@
+"""A burst of puts queued together (NvmeTier.put_many): the IO threads share it out evenly, each share
+in runs of adjacent slots; blocks are as recent as their take, so a burst is evicted in slot order
+and its slots are reused as runs; a bug in one share does not strand the rest of the queue; and the
+tier manager spills each DRAM eviction as one burst."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from kvstrata.tiering import nvme
+from kvstrata.tiering.slab import SlabFiles
+from tests.test_nvme_tier import SLOT, data_of, h, offset_of, same, tier_at
+
+
+@pytest.fixture
+def recorded_writes(monkeypatch):
+    """Every pwrite of staged slots, as (first slot, slots)."""
+    runs: list[tuple[int, int]] = []
+    lock = threading.Lock()
+    write = SlabFiles.write
+
+    def recording(self, slot, data):
+        with lock:
+            runs.append((slot, len(data) // self.geometry.slot_bytes))
+        return write(self, slot, data)
+
+    monkeypatch.setattr(SlabFiles, "write", recording)
+    return runs
+
+
+def burst(names: list[str]) -> list:
+    return [(h(n), None, data_of(n)) for n in names]
+
+
+def test_the_io_threads_share_a_burst_out_evenly(tmp_path, recorded_writes):
+    names = [f"b{i}" for i in range(16)]
+    tier = tier_at(tmp_path / "nvme", capacity=32 * SLOT, num_io_threads=4)
+    assert tier._io.max_run >= len(names)  # one thread could take the whole burst in one run
+    futures = tier.put_many(burst(names))
+    assert [f.result(timeout=10) for f in futures] == [True] * len(names)
+    # each take is a quarter of what is queued, rounded up: 16 -> 4, 12 -> 3, 9 -> 3, 6 -> 2, then ones;
+    # free slots go lowest first, so each take is one run of adjacent slots
+    assert sorted(recorded_writes) == [(0, 4), (4, 3), (7, 3), (10, 2), (12, 1), (13, 1), (14, 1), (15, 1)]
+    assert [offset_of(tier, h(n)) for n in names] == [i * SLOT for i in range(len(names))]
+    assert all(same(got, data_of(n)) for n, got in zip(names, tier.get_many([h(n) for n in names]).result()))
+    tier.check_integrity()
+    tier.close()
+
+
+def test_put_many_checks_every_block_before_it_queues_any(tmp_path):
+    tier = tier_at(tmp_path / "nvme")
+    staged = tier.staged_copy(data_of("a"))
+    with pytest.raises(ValueError, match="data must be"):
+        tier.put_many([(h("a"), None, staged), (h("b"), None, data_of("b")[:1])])
+    with pytest.raises(ValueError, match="parent_hash"):
+        tier.put_many([(h("a"), None, staged), (h("b"), h("b"), data_of("b"))])
+    assert len(tier) == 0 and tier.num_pending_writes == 0 and tier.num_staged == 1  # still the caller's
+    futures = tier.put_many([(h("a"), None, staged), (h("a"), None, data_of("a")), (h("b"), h("a"), data_of("b"))])
+    assert [f.result(timeout=10) for f in futures] == [True, True, True]  # the second a is the first's write
+    assert tier.num_staged == 0 and same(tier.get(h("a")).result(), data_of("a"))
+    tier.check_integrity()
+    tier.close()
+
+
+def test_a_burst_is_as_recent_as_its_takes_not_its_ends(tmp_path, monkeypatch):
+    """b0's write is held while the other thread writes b1-b3; b0 still goes first when the tier
+    evicts, so the slots of a burst come back in slot order."""
+    monkeypatch.setattr(nvme, "RUN_BYTES", SLOT)  # one block a take
+    started, release = threading.Event(), threading.Event()
+    write = SlabFiles.write
+
+    def hold_slot_0(self, slot, data):
+        if slot == 0:
+            started.set()
+            assert release.wait(10)
+        return write(self, slot, data)
+
+    monkeypatch.setattr(SlabFiles, "write", hold_slot_0)
+    names = ["b0", "b1", "b2", "b3"]
+    tier = tier_at(tmp_path / "nvme", capacity=4 * SLOT, num_io_threads=2)
+    futures = tier.put_many(burst(names))
+    assert started.wait(10)
+    assert [f.result(timeout=10) for f in futures[1:]] == [True] * 3  # written while b0 waits
+    release.set()
+    assert futures[0].result(timeout=10) is True
+    for i, name in enumerate(["x0", "x1"]):  # each evicts the least recently used block
+        assert tier.put(h(name), None, data_of(name)).result(timeout=10) is True
+        assert offset_of(tier, h(name)) == i * SLOT
+    assert [h(n) in tier for n in names] == [False, False, True, True]
+    tier.check_integrity()
+    tier.close()
+
+
+def test_a_bug_in_one_share_leaves_the_rest_of_the_queue_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(nvme, "RUN_BYTES", SLOT)  # one block a take, all on the one IO thread
+    names = [f"b{i}" for i in range(6)]
+    tier = tier_at(tmp_path / "nvme", capacity=8 * SLOT, num_io_threads=1)
+    write = tier._io.write
+
+    def buggy(writes):
+        if any(w.block_hash == h("b0") for w in writes):
+            raise RuntimeError("injected bug")
+        return write(writes)
+
+    monkeypatch.setattr(tier._io, "write", buggy)
+    futures = tier.put_many(burst(names))
+    assert [f.result(timeout=10) for f in futures] == [False] + [True] * 5
+    tier.flush()
+    assert h("b0") not in tier and len(tier) == 5 and tier.num_pending_writes == 0
+    tier.check_integrity()
+    tier.close()
+
+
+def test_the_manager_spills_each_dram_eviction_as_one_burst(llm, tmp_path):
+    from tests.test_tiering import GREEDY, _nvme_llm
+
+    tiered = _nvme_llm(llm, tmp_path)
+    try:
+        tier = tiered.engine.kv.tiers.nvme
+        calls: list[int] = []
+        put_many = tier.put_many
+
+        def recording(blocks):
+            calls.append(len(blocks))
+            return put_many(blocks)
+
+        tier.put_many = recording
+        tiered.engine.kv.tiers.max_pending_writes = 4  # a burst counts against the bound as it is gathered
+        rng = random.Random(11)
+        prompts = [[rng.randrange(100, 40000) for _ in range(160)] for _ in range(6)]
+        for p in prompts:
+            tiered.generate([p], GREEDY)
+        tier.flush()
+        stats = tiered.cache_stats()["tiers"]["nvme"]
+        assert calls and max(calls) > 1, calls  # several blocks in one call
+        assert max(calls) <= 4 and sum(calls) == stats["spilled_blocks"]
+        tiered.check_integrity()
+    finally:
+        tiered.close()
