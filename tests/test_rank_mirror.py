@@ -13,7 +13,7 @@ from kvstrata.tiering.host import HostTier
 from kvstrata.tiering.block_copy import block_shape
 from kvstrata.tiering.manager import TierManager
 from kvstrata.tiering.nvme import NvmeTier
-from kvstrata.tiering.rank_mirror import READING, RankTiers, decode_hashes, encode_hashes, read_status
+from kvstrata.tiering.rank_mirror import READING, SPILL, RankTiers, decode_hashes, encode_hashes, read_status
 from kvstrata.worker.prefix_cache import EvictedBlock
 from tests.nvme_files import flip_every_payload
 
@@ -127,3 +127,26 @@ def test_read_status_counts_the_blocks_read_from_the_first():
     done.set_result([torch.zeros(1), torch.zeros(1), None, torch.zeros(1)])
     failed.set_exception(OSError("disk"))
     assert [read_status(f) for f in (pending, done, failed, None)] == [READING, 2, 0, 0]
+
+
+def test_a_mirror_puts_each_run_of_spills_together_and_leaves_no_copy_behind(pair, monkeypatch):
+    manager, mirror = pair
+    calls: list[int] = []
+    put_many = mirror.nvme.put_many
+
+    def recording(blocks):
+        calls.append(len(blocks))
+        return put_many(blocks)
+
+    monkeypatch.setattr(mirror.nvme, "put_many", recording)
+    _demote_all(manager, mirror)  # the last two demotions each spill four blocks from DRAM
+    assert calls == [4, 4] and mirror.nvme.num_staged == 0
+    _same_tiers(manager, mirror)
+    staged = mirror.nvme._staged
+    if staged.enabled:  # the copies were staged in write buffers, all handed back once written
+        assert len(staged.buffers) >= 4
+    spill = (SPILL, [0], encode_hashes([_hash(100), b""]))  # DRAM slot 0 to NVMe, then an op no rank knows
+    with pytest.raises(ValueError, match="unknown tier op"):
+        mirror.apply([spill, (99, [], [])])
+    mirror.nvme.flush()
+    assert mirror.nvme.num_staged == 0 and _hash(100) not in mirror.nvme  # its copy went back, not put

@@ -8,7 +8,8 @@ pass (the ops ride in the step message as int64 fields):
     TO_HOST     pool blocks -> DRAM slots                      the same copy on its shard
     TO_DEVICE   DRAM slots -> pool blocks                      the same copy
     SPILL       wrote an evicted DRAM slot to NVMe as a hash   copies its share of the slot now (a later
-                                                               op may reuse the slot), writes it to its NVMe
+                                                               op may reuse the slot) into an NVMe write
+                                                               buffer; a run of SPILLs is put together
     LOAD        started reading a chain of hashes from NVMe    starts reading its shares of them
     COMMIT      put the first blocks of a load into DRAM slots copies what it read into the same slots
     CLEAR       dropped every NVMe block and load              the same
@@ -87,22 +88,38 @@ class RankTiers:
         self.loads: dict[int, Future] = {}
 
     def apply(self, ops: list[TierOp]) -> None:
+        spills = []  # consecutive SPILL ops: copied out at once, put together as rank 0 puts them
+        try:
+            self._apply(ops, spills)
+        except BaseException:
+            for _, _, data in spills:  # copied out but not put: their write buffers go back
+                self.nvme.release_staged(data)
+            raise
+
+    def _apply(self, ops: list[TierOp], spills: list) -> None:
         for kind, a, b in ops:
+            if kind == SPILL:
+                block_hash, parent = decode_hashes(b)
+                spills.append((block_hash, parent or None, self.nvme.staged_copy(self.storage[a[0]])))
+                continue
+            if kind not in (TO_HOST, TO_DEVICE, LOAD, COMMIT, CLEAR):
+                raise ValueError(f"unknown tier op {kind}")
+            if spills:  # before any other op, which may read them back or reuse their DRAM slots
+                self.nvme.put_many(spills)
+                spills.clear()
             if kind == TO_HOST:
                 copy_to_host(self.kv_cache, a, self.storage, b, self.kernels)
             elif kind == TO_DEVICE:
                 copy_to_device(self.storage, a, self.kv_cache, b, self.kernels)
-            elif kind == SPILL:
-                block_hash, parent = decode_hashes(b)
-                self.nvme.put(block_hash, parent or None, self.storage[a[0]].clone())
             elif kind == LOAD:
                 self.loads[a[0]] = self.nvme.get_many(decode_hashes(b))
             elif kind == COMMIT:
                 self._commit(a[0], a[1:], b)
-            elif kind == CLEAR:
-                self._clear()
             else:
-                raise ValueError(f"unknown tier op {kind}")
+                self._clear()
+        if spills:
+            self.nvme.put_many(spills)
+            spills.clear()
 
     def statuses(self, load_ids: list[int]) -> list[int]:
         return [read_status(self.loads.get(i)) for i in load_ids]
