@@ -140,3 +140,31 @@ def test_the_manager_spills_each_dram_eviction_as_one_burst(llm, tmp_path):
         tiered.check_integrity()
     finally:
         tiered.close()
+
+
+def test_refreshes_in_a_burst_do_not_count_against_the_pending_bound(tmp_path):
+    """Of a burst of spills, only blocks not on NVMe yet are new writes: two blocks already there
+    come first, and with room for one pending write the first new block is still queued."""
+    import torch
+
+    from kvstrata.tiering.block_copy import block_shape
+    from kvstrata.tiering.host import Evicted, HostTier
+    from kvstrata.tiering.manager import TierManager
+    from kvstrata.tiering.nvme import NvmeTier
+
+    kv = torch.randn(2, 2, 8, 4, 2, 8)
+    shape = block_shape(kv)
+    manager = TierManager(kv, HostTier(4, shape, kv.dtype), NvmeTier(tmp_path / "nvme", 1 << 22, shape, kv.dtype))
+    try:
+        nvme = manager.nvme
+        blocks = {n: torch.randn(shape) for n in ("old0", "old1", "new0", "new1")}
+        for n in ("old0", "old1"):
+            assert nvme.put(h(n), None, blocks[n]).result(timeout=10) is True
+        manager.max_pending_writes = 1
+        manager._spill([Evicted(h(n), None, blocks[n].clone()) for n in blocks], 0)
+        nvme.flush()
+        assert manager.counters.spill_drops == 1  # new1 only: new0 was the one pending write
+        assert [h(n) in nvme for n in blocks] == [True, True, True, False]
+        manager.check_integrity()
+    finally:
+        manager.close()

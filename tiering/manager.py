@@ -271,6 +271,7 @@ class TierManager:
             return
         nvme = self.nvme
         puts = []  # queued together, so that the IO threads share the burst out in large writes
+        new_writes = 0  # of those, blocks not on NVMe yet (a put of one that is only refreshes it)
         for ev in spilled:
             if ev.block_hash.startswith(SWAP_PREFIX):
                 nvme.release_staged(ev.data)
@@ -278,10 +279,11 @@ class TierManager:
             if rec is not None:  # leaves DRAM; NVMe may keep it (its write may still fail: advisory)
                 rec.removed([ev.block_hash], DRAM)
             pinned = ev.block_hash in self.pins
-            pending = nvme.num_pending_writes + len(puts)
+            on_disk = ev.block_hash in nvme
+            pending = nvme.num_pending_writes + new_writes
             disk_full = nvme.used_bytes + (pending + 1) * nvme.file_bytes > nvme.capacity_bytes
             times_computed = self._computed.get(ev.block_hash, 0)
-            if not self.admission.admits(ev.hits, times_computed, pinned, disk_full) and ev.block_hash not in nvme:
+            if not self.admission.admits(ev.hits, times_computed, pinned, disk_full) and not on_disk:
                 self.counters.admission_rejects += 1
                 nvme.release_staged(ev.data)
                 continue
@@ -290,6 +292,7 @@ class TierManager:
                 nvme.release_staged(ev.data)
                 continue
             puts.append((ev.block_hash, ev.parent_hash, ev.data))
+            new_writes += not on_disk
             if self.copy_log is not None:
                 hashes = encode_hashes([ev.block_hash, ev.parent_hash or b""])
                 self.copy_log.insert(mark, (SPILL, [ev.slot], hashes))
