@@ -121,15 +121,43 @@ def _tier_metrics(model_name: str, tiers: dict[str, Any]) -> Iterator[Metric]:
         for name, key, doc in (("kvstrata:swapped_out_blocks", "swapped_out_blocks", "Blocks swapped out to DRAM."),
                                ("kvstrata:swapped_in_blocks", "swapped_in_blocks", "Blocks swapped back in."),
                                ("kvstrata:swap_fallbacks", "swap_fallbacks",
-                                "Preemptions recomputed because DRAM could not keep the blocks.")):
+                                "Preemptions recomputed because DRAM could not keep the blocks."),
+                               ("kvstrata:swapped_out_bytes", "swapped_out_bytes", "Bytes swapped out to DRAM."),
+                               ("kvstrata:swapped_in_bytes", "swapped_in_bytes", "Bytes swapped back in.")):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([model_name], dram[key])
             yield c
+    yield from _transfer_metrics(model_name, dram, nvme)
     if nvme is not None:
-        c = CounterMetricFamily("kvstrata:tier_checksum_failures", "Tier files that failed verification "
-                                "(read as misses).", labels=names)
-        c.add_metric([model_name, "nvme"], nvme["checksum_failures"])
-        yield c
+        for name, key, doc in (("kvstrata:tier_checksum_failures", "checksum_failures",
+                                "Tier files that failed verification (read as misses)."),
+                               ("kvstrata:tier_hits", "hits", "Blocks asked of the tier and found there."),
+                               ("kvstrata:tier_misses", "misses", "Blocks asked of the tier and not found.")):
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric([model_name, "nvme"], nvme[key])
+            yield c
+
+
+def _transfer_metrics(model_name: str, dram: dict | None, nvme: dict | None) -> Iterator[Metric]:
+    """Bytes each tier moved and the seconds they took, by direction: rate(bytes) / rate(seconds) is
+    the transfer rate over any window (DRAM: time in the copies; NVMe: wall time with IO in flight)."""
+    labels = ["model_name", "tier", "direction"]
+    moved = CounterMetricFamily("kvstrata:tier_transfer_bytes", "Bytes moved into (down) or out of (up) "
+                                "the tier.", labels=labels)
+    took = CounterMetricFamily("kvstrata:tier_transfer_seconds", "Seconds those transfers took.", labels=labels)
+    rows = []
+    if dram is not None:
+        rows += [("dram", "down", dram["demote_bytes"], dram["demote_seconds"]),
+                 ("dram", "up", dram["promote_bytes"], dram["promote_seconds"])]
+    if nvme is not None:
+        rows += [("nvme", "down", nvme["bytes_written"], nvme["write_busy_seconds"]),
+                 ("nvme", "up", nvme["bytes_read"], nvme["read_busy_seconds"])]
+    for tier, direction, num_bytes, seconds in rows:
+        moved.add_metric([model_name, tier, direction], num_bytes)
+        took.add_metric([model_name, tier, direction], seconds)
+    if rows:
+        yield moved
+        yield took
 
 
 class ServingMetrics:

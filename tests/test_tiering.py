@@ -143,20 +143,34 @@ def test_dram_tier_keeps_what_a_small_pool_evicts(llm, prompts, expected):
     tiered.check_integrity()
 
 
-def _check_tier_metrics(cache_stats: dict, dram: dict) -> None:
-    """The same counters reach Prometheus, labelled by tier."""
+def _metric_samples(cache_stats: dict) -> dict:
+    """What /metrics would show for these stats: {(name, tier, direction): value}."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from kvstrata.cluster.metrics import ServingMetrics
 
     m = ServingMetrics("m")
     m.update_engine(cache_stats)
-    samples = {(s.name, s.labels.get("tier")): s.value
-               for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
-    assert samples[("kvstrata:tier_blocks", "dram")] == dram["blocks"]
-    assert samples[("kvstrata:tier_promotions_total", "dram")] == dram["promoted_blocks"]
-    assert samples[("kvstrata:tier_demotions_total", "dram")] == dram["demoted_blocks"]
-    assert 0 < samples[("vllm:cpu_cache_usage_perc", None)] <= 1
+    return {(s.name, s.labels.get("tier"), s.labels.get("direction")): s.value
+            for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+
+
+def _check_tier_metrics(cache_stats: dict, dram: dict) -> None:
+    """The same counters reach Prometheus, labelled by tier, with the bytes each direction moved and
+    the seconds it took (their rates' ratio is the transfer rate)."""
+    samples = _metric_samples(cache_stats)
+    assert samples[("kvstrata:tier_blocks", "dram", None)] == dram["blocks"]
+    assert samples[("kvstrata:tier_promotions_total", "dram", None)] == dram["promoted_blocks"]
+    assert samples[("kvstrata:tier_demotions_total", "dram", None)] == dram["demoted_blocks"]
+    assert 0 < samples[("vllm:cpu_cache_usage_perc", None, None)] <= 1
+    block = dram["bytes"] // dram["blocks"]
+    for direction, kind in (("down", "demote"), ("up", "promote")):
+        moved = samples[("kvstrata:tier_transfer_bytes_total", "dram", direction)]
+        # a block already in DRAM counts as demoted without a copy
+        assert 0 < moved == dram[f"{kind}_bytes"] <= dram[f"{kind[:-1]}ed_blocks"] * block
+        assert moved % block == 0
+        assert samples[("kvstrata:tier_transfer_seconds_total", "dram", direction)] == dram[f"{kind}_seconds"] > 0
+    assert samples[("kvstrata:swapped_out_bytes_total", None, None)] == dram["swapped_out_bytes"]
 
 
 @pytest.mark.parametrize("kwargs, needle", [
@@ -256,6 +270,11 @@ def test_nvme_tier_brings_blocks_back_and_survives_a_restart(llm, prompts, expec
                 first.check_integrity()
         nvme = first.cache_stats()["tiers"]["nvme"]
         assert nvme["loaded_blocks"] > 0 and nvme["hits"] > 0 and nvme["checksum_failures"] == 0
+        samples = _metric_samples(first.cache_stats())
+        assert samples[("kvstrata:tier_hits_total", "nvme", None)] == nvme["hits"]
+        assert samples[("kvstrata:tier_transfer_bytes_total", "nvme", "up")] == nvme["bytes_read"] > 0
+        assert samples[("kvstrata:tier_transfer_bytes_total", "nvme", "down")] == nvme["bytes_written"] > 0
+        assert samples[("kvstrata:tier_transfer_seconds_total", "nvme", "up")] == nvme["read_busy_seconds"] > 0
     finally:
         first.close()
     again = _nvme_llm(llm, tmp_path)  # a new process would do the same: the index comes from the files

@@ -482,6 +482,11 @@ class TierManager:
             "dram": {**self.host.stats(), "promoted_blocks": c.promoted_blocks, "demoted_blocks": c.demoted_blocks,
                      "swapped_out_blocks": c.swapped_out_blocks, "swapped_in_blocks": c.swapped_in_blocks,
                      "swap_fallbacks": c.swap_fallbacks,
+                     "swapped_out_bytes": c.swapped_out_blocks * self.host.block_bytes,
+                     "swapped_in_bytes": c.swapped_in_blocks * self.host.block_bytes,
+                     # cumulative, for rates over any window (bytes over seconds in the copies themselves)
+                     "demote_bytes": c.demote_bytes, "demote_seconds": round(c.demote_seconds, 6),
+                     "promote_bytes": c.promote_bytes, "promote_seconds": round(c.promote_seconds, 6),
                      "demote_gb_per_s": _rate(c.demote_bytes, c.demote_seconds),
                      "demote_overhead_s": round(c.demote_overhead_seconds, 6),
                      "promote_gb_per_s": _rate(c.promote_bytes, c.promote_seconds)},
