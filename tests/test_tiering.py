@@ -93,6 +93,21 @@ def test_slot_runs_group_consecutive_slots():
     assert slot_runs([3, 4, 5, 6], rows=[0, 1, 5, 6]) == [(0, 3, 2), (2, 5, 2)]  # rows must follow too
 
 
+def test_host_tier_storage_is_zeroed_and_on_huge_pages_where_the_host_has_them():
+    from kvstrata.worker.huge_pages import HUGE_PAGE, huge_pages_available
+
+    shape = (30, 2, 16, 3, 64)  # a SmolLM2 block, 0.74 MB: eight of them span several huge pages
+    t = HostTier(8, shape, torch.float32)
+    assert t.storage.shape == (8, *shape) and t.storage.dtype == torch.float32
+    assert not t.storage.any()
+    t.storage[7].fill_(1.0)  # the last slot's bytes are inside the mapping
+    assert t.storage[7].all() and not t.storage[:7].any()
+    if huge_pages_available():
+        assert t.storage.data_ptr() % HUGE_PAGE == 0
+    small = HostTier(1, SHAPE, torch.float32)  # under a huge page: plain memory, zeroed all the same
+    assert not small.storage.any()
+
+
 def test_host_tier_rejects_a_zero_capacity():
     with pytest.raises(ValueError, match="num_blocks"):
         HostTier(0, SHAPE, torch.float32)

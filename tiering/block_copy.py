@@ -27,11 +27,12 @@ def copy_to_host(kv_cache: torch.Tensor, block_ids: list[int], storage: torch.Te
 
 def copy_to_device(storage: torch.Tensor, slots: list[int], kv_cache: torch.Tensor, block_ids: list[int],
                    kernels=None) -> None:
-    """DRAM slots back into pool blocks: the inverse of copy_to_host."""
+    """DRAM slots back into pool blocks: the inverse of copy_to_host, also written past the caches
+    with the CPU kernel (the next step reads them a layer at a time, long after the copy)."""
     if not block_ids:
         return
     if kernels is not None:
-        kernels.copy_blocks(storage, 0, slots, kv_cache, 2, block_ids)
+        kernels.copy_blocks(storage, 0, slots, kv_cache, 2, block_ids, streaming=True)
         return
     data = storage.index_select(0, torch.tensor(slots))
     dev = kv_cache.device

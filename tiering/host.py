@@ -2,7 +2,8 @@
 
 Storage is one tensor `[num_blocks, *block_shape]`, block-major, so that one block is one contiguous
 run of bytes (what the NVMe tier writes) and many blocks move in one `index_copy_` / `index_select`.
-On a CUDA device it is pinned, so copies to and from the device can run asynchronously.
+On a CUDA device it is pinned, so copies to and from the device can run asynchronously; on a CPU
+it lies on transparent huge pages where the host gives them (`host_storage`).
 
 Each entry remembers its parent's hash. Eviction is least-recently-used among entries with no child
 in this tier (leaf first), as in the device pool, so what stays is always a matchable chain.
@@ -11,10 +12,13 @@ in this tier (leaf first), as in the device pool, so what stays is always a matc
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from kvstrata.worker.huge_pages import empty_on_huge_pages
 
 
 @dataclass(slots=True)
@@ -43,7 +47,7 @@ class HostTier:
         self.num_blocks = num_blocks
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
-        self.storage = torch.zeros((num_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+        self.storage = host_storage(num_blocks, self.block_shape, dtype, pin)
         self.entries: dict[bytes, HostEntry] = {}
         self._kids: dict[bytes, int] = {}  # parent hash -> entries here under it (the parent may not be here)
         self.free_slots = list(range(num_blocks - 1, -1, -1))
@@ -220,6 +224,17 @@ class HostTier:
             if e.parent_hash is not None:
                 kids[e.parent_hash] = kids.get(e.parent_hash, 0) + 1
         assert kids == self._kids, "host child counts are off"
+
+
+def host_storage(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Zeroed storage for num_blocks blocks: pinned for a CUDA device; else on huge pages where the
+    host has them. A block copy between the pool and DRAM is one piece per layer's K or V (60 pieces
+    of 12 KB for SmolLM2); on 4 KB pages that is a page walk every 4 KB on the DRAM side, on 2 MB
+    pages one walk for a few blocks."""
+    shape = (num_blocks, *block_shape)
+    if pin:
+        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+    return empty_on_huge_pages(math.prod(shape), dtype).view(shape).zero_()
 
 
 def _nothing() -> None:
