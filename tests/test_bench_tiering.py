@@ -133,6 +133,17 @@ def test_quick_run_probes_the_nvme_tier_alone_on_the_chat_layout(report):
 
 @pytest.mark.slow
 @needs_model
+def test_quick_run_probes_the_dram_tier_alone_on_the_chat_layout(report):
+    probe = report.dram_probe
+    assert probe is not None and probe.block_bytes == report.block_bytes and len(probe.rounds) == 3
+    assert probe.burst_blocks == 4  # --quick's memcpy reference is under 64 MB
+    names = [t.name for t in report.transfers()]
+    assert "DRAM demote alone, bursts of 4 blocks" in names and "DRAM promote alone, bursts of 4 blocks" in names
+    assert report.to_json()["dram_probe"]["burst_blocks"] == 4
+
+
+@pytest.mark.slow
+@needs_model
 def test_quick_run_greedy_outputs_do_not_depend_on_the_tiers(report):
     answers = [[t.output_token_ids for t in c.turns] for c in report.configs]
     assert answers[0] == answers[1] == answers[2] and report.outputs_identical

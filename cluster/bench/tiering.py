@@ -32,8 +32,9 @@ from typing import Any
 
 from kvstrata.cluster.bench.bandwidth import MB, References, measure_references
 from kvstrata.cluster.bench.throughput import Progress, percentile
+from kvstrata.cluster.bench.dram_probe import DramProbe, probe_dram_tier
 from kvstrata.cluster.bench.tier_probe import TierProbe, probe_nvme_tier
-from kvstrata.cluster.bench.transfers import Transfer, nvme_transfers, probe_transfers
+from kvstrata.cluster.bench.transfers import Transfer, dram_probe_transfers, nvme_transfers, probe_transfers
 from kvstrata.cluster.bench.workloads import multi_turn
 from kvstrata.worker.model_source import DEFAULT_MODEL
 
@@ -98,6 +99,13 @@ class TieringSettings:
             raise ValueError(f"--gpu-blocks {self.gpu_blocks} cannot hold a conversation's last turn "
                              f"({self.chat.history_len} tokens = {need} blocks); raise --gpu-blocks or lower "
                              f"--turns, --system-len, --user-len or --answer-len")
+
+    @property
+    def dram_probe(self) -> dict[str, int]:
+        """The DRAM probe's sizes (dram_probe.py), scaled with the memcpy reference: a full run's
+        bursts of 16 blocks beside a 64 MB memcpy, --quick's of 4 beside a smaller one."""
+        ref = min(self.memcpy_bytes, 64 * MB)
+        return {"burst_blocks": 16 if ref >= 64 * MB else 4, "memcpy_bytes": ref, "flush_bytes": 2 * ref}
 
     @property
     def num_chat_blocks(self) -> int:
@@ -270,6 +278,7 @@ class TieringReport:
     references: References
     configs: list[ConfigResult]
     tier_probe: TierProbe | None = None  # the NVMe tier alone, beside the disk
+    dram_probe: DramProbe | None = None  # the DRAM tier's copies alone, beside a memcpy (CPU pools only)
 
     def config(self, name: str) -> ConfigResult:
         return next(c for c in self.configs if c.name == name)
@@ -292,6 +301,7 @@ class TieringReport:
             Transfer("DRAM promote", dram.get("promote_gb_per_s") or None, "memcpy", ref.memcpy / 1e9),
             *nvme_transfers(nvme, ref.disk),
             *probe_transfers(self.tier_probe),
+            *dram_probe_transfers(self.dram_probe),
         ]
 
     def targets(self) -> list[Target]:
@@ -335,6 +345,7 @@ class TieringReport:
             "configs": [{**c.summary(), "turns": [_turn_json(t) for t in c.turns]} for c in self.configs],
             "ttft_on_hit": {c.name: asdict(paired_ttft(self.configs[0], c)) for c in self.configs[1:]},
             "tier_probe": None if self.tier_probe is None else self.tier_probe.to_json(),
+            "dram_probe": None if self.dram_probe is None else self.dram_probe.to_json(),
             "transfers": [{**asdict(t), "ratio": _round(t.ratio, 3)} for t in self.transfers()],
             "targets": [asdict(t) for t in self.targets()],
         }
@@ -365,7 +376,7 @@ def run_tiering_bench(settings: TieringSettings, nvme_dir: Path,
     messages = settings.chat.user_messages()
     results: list[ConfigResult] = []
     block_bytes = None
-    layout = None  # the NVMe tier's block shape and dtype, for the probe
+    layout = dram_layout = None  # the NVMe and DRAM tiers' block shape and dtype, for the probes
     for name in CONFIGS:
         dram_blocks, nvme_blocks = settings.tier_blocks(name)
         llm = LLM(settings.model, num_gpu_blocks=settings.gpu_blocks, block_size=BLOCK_SIZE, dtype=settings.dtype,
@@ -376,16 +387,19 @@ def run_tiering_bench(settings: TieringSettings, nvme_dir: Path,
             wall, turns = run_chat(llm, messages, settings.chat.answer_len, clock, label=name)
             results.append(ConfigResult(name, _label(settings.gpu_blocks, dram_blocks, nvme_blocks), dram_blocks,
                                         nvme_blocks, wall, turns, llm.cache_stats().get("tiers")))
-            tier = llm.engine.kv.tiers.nvme if llm.engine.kv.tiers is not None else None
-            if tier is not None:
-                layout = (tier.block_shape, tier.dtype)
+            tiers = llm.engine.kv.tiers
+            if tiers is not None and tiers.nvme is not None:
+                layout = (tiers.nvme.block_shape, tiers.nvme.dtype)
+            if tiers is not None and tiers.kv_cache.device.type == "cpu":  # the probe takes the CPU copy path
+                dram_layout = (tiers.host.block_shape, tiers.host.dtype)
             llm.reset_prefix_cache()  # every block gone from the tier (its slab files stay, headers zeroed)
         finally:
             llm.close()
         del llm
         gc.collect()
     probe = None if layout is None else probe_nvme_tier(nvme_dir, *layout, settings.disk_probe_bytes)
-    return TieringReport(settings, block_bytes, references, results, probe)
+    dram = None if dram_layout is None else probe_dram_tier(*dram_layout, **settings.dram_probe)
+    return TieringReport(settings, block_bytes, references, results, probe, dram)
 
 
 def _tier_kwargs(dram_blocks: int | None, nvme_blocks: int | None, nvme_dir: Path,

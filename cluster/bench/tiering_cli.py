@@ -59,6 +59,11 @@ def format_report(r: TieringReport) -> str:
         lines.append(f"NVMe tier alone: {tp.num_blocks} blocks ({tp.num_blocks * tp.slot_bytes / 1e6:.0f} MB) each way, "
                      f"{len(tp.rounds)} rounds in lockstep with one thread's 8 MB O_DIRECT IO of the same bytes; "
                      f"each row from the round with the median ratio")
+    if r.dram_probe is not None:
+        dp = r.dram_probe
+        lines.append(f"DRAM tier alone: {len(dp.rounds)} rounds of {dp.segments} bursts of {dp.burst_blocks} random "
+                     f"blocks each way, in lockstep with a {r.settings.dram_probe['memcpy_bytes'] // MB} MB memcpy, "
+                     f"caches flushed before each copy; each row from the round with the median ratio")
     lines.append("targets:")
     for t in r.targets():
         mark = {True: "met", False: "MISSED", None: "n/a"}[t.met]

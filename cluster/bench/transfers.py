@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.cluster.bench.bandwidth import DiskRates
+from kvstrata.cluster.bench.dram_probe import DramProbe
 from kvstrata.cluster.bench.tier_probe import TierProbe
 
 
@@ -57,6 +58,20 @@ def probe_transfers(probe: TierProbe | None) -> list[Transfer]:
             return []
         _, rate, ref = pairs[len(pairs) // 2]
         rows.append(Transfer(name, rate / 1e9, reference + ", lockstep", ref / 1e9))
+    return rows
+
+
+def dram_probe_transfers(probe: DramProbe | None) -> list[Transfer]:
+    """The DRAM tier's copies alone against the memcpy taken in lockstep with them, each row from the
+    round whose ratio is the median; none without a probe."""
+    if probe is None:
+        return []
+    rows = []
+    for name, kind in (("DRAM demote alone", "demote"), ("DRAM promote alone", "promote")):
+        _, rate, ref = sorted((getattr(r, kind) / r.memcpy, getattr(r, kind), r.memcpy) for r in probe.rounds)[
+            len(probe.rounds) // 2]
+        rows.append(Transfer(f"{name}, bursts of {probe.burst_blocks} blocks", rate / 1e9, "memcpy, lockstep",
+                             ref / 1e9))
     return rows
 
 
