@@ -168,3 +168,56 @@ def test_refreshes_in_a_burst_do_not_count_against_the_pending_bound(tmp_path):
         manager.check_integrity()
     finally:
         manager.close()
+
+
+def test_a_put_without_data_only_refreshes(tmp_path):
+    """data None: a block the tier holds becomes the most recent (its future True, nothing written);
+    one it does not hold is not stored (False), and nothing is queued for it."""
+    tier = tier_at(tmp_path / "nvme", capacity=8 * SLOT, num_io_threads=1)
+    try:
+        assert all(f.result(timeout=10) for f in tier.put_many(burst(["a", "b"])))
+        before = tier._index.get(h("a")).last_access
+        refreshed, missing = tier.put_many([(h("a"), None, None), (h("z"), None, None)])
+        assert refreshed.result(timeout=10) is True and missing.result(timeout=10) is False
+        assert tier._index.get(h("a")).last_access > tier._index.get(h("b")).last_access > before
+        tier.flush()
+        assert h("z") not in tier and len(tier) == 2
+        stats = tier.stats()
+        assert (stats["writes"], stats["write_failures"]) == (2, 0)  # no write was tried for either
+        assert same(tier.get(h("a")).result(timeout=10), data_of("a"))
+        tier.check_integrity()
+    finally:
+        tier.close()
+
+
+def test_dram_evicts_a_block_nvme_holds_without_copying_it(tmp_path):
+    """A block that leaves DRAM while NVMe holds it is only refreshed there: DRAM makes no staged
+    copy of it (none of its CRC either), and a block NVMe does not hold is still copied and written."""
+    import torch
+
+    from kvstrata.tiering.block_copy import block_shape
+    from kvstrata.tiering.host import HostTier
+    from kvstrata.tiering.manager import TierManager
+    from kvstrata.tiering.nvme import NvmeTier
+
+    kv = torch.randn(2, 2, 8, 4, 2, 8)
+    shape = block_shape(kv)
+    manager = TierManager(kv, HostTier(2, shape, kv.dtype), NvmeTier(tmp_path / "nvme", 1 << 22, shape, kv.dtype))
+    try:
+        nvme, host = manager.nvme, manager.host
+        copies: list[int] = []
+        staged_copy = host.copy_out
+        host.copy_out = lambda block: copies.append(1) or staged_copy(block)
+        blocks = {n: kv[:, :, i].contiguous() for i, n in enumerate(("on_disk", "fresh", "x", "y"))}
+        assert nvme.put(h("on_disk"), None, blocks["on_disk"]).result(timeout=10) is True
+        host.put([h("on_disk"), h("fresh")], [None, None], torch.stack([blocks["on_disk"], blocks["fresh"]]))
+        manager._spill(host.put([h("x"), h("y")], [None, None], torch.stack([blocks["x"], blocks["y"]])), 0)
+        nvme.flush()
+        assert len(copies) == 1  # "fresh" only
+        assert manager.counters.spill_refreshes == 1 and manager.counters.spilled_to_nvme == 2
+        assert manager.stats()["nvme"]["spill_refreshes"] == 1
+        for n in ("on_disk", "fresh"):
+            assert same(nvme.get(h(n)).result(timeout=10), blocks[n])
+        manager.check_integrity()
+    finally:
+        manager.close()

@@ -35,7 +35,8 @@ class Evicted:
 
     block_hash: bytes
     parent_hash: bytes | None
-    data: torch.Tensor | None  # one block, contiguous, on the CPU; None when no tier below wants it
+    data: torch.Tensor | None  # one block, contiguous, on the CPU; None when no tier below wants it, or
+    # when the tier below holds it already
     hits: int = 0
     slot: int | None = None  # the DRAM slot it left (other tensor-parallel ranks copy their share from it)
 
@@ -63,6 +64,9 @@ class HostTier:
         self.wait_copies: Callable[[], None] = _nothing
         # copies an evicted block out for the tier below (which may stage it for its write)
         self.copy_out: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.clone
+        # whether the tier below holds a block already: then an eviction carries no copy (data
+        # None), and the tier below only refreshes the block
+        self.lower_has: Callable[[bytes], bool] = _never
 
     @property
     def block_bytes(self) -> int:
@@ -177,7 +181,8 @@ class HostTier:
 
     def _pop_leaf(self, protect: set[bytes], unfilled: dict[bytes, int] | None = None) -> Evicted | None:
         """The least recently used unprotected leaf, removed; its data is copied out for a tier below
-        unless it is `unfilled` (stored by the running put, whose copy has not happened yet)."""
+        unless it is `unfilled` (stored by the running put, whose copy has not happened yet) or the
+        tier below holds it already."""
         skipped = []
         victim = None
         while self._heap:
@@ -188,7 +193,7 @@ class HostTier:
             if h in protect or (not self.has_lower_tier and h in self.pinned):
                 skipped.append((tick, h))
                 continue
-            keep = self.has_lower_tier and not (unfilled and h in unfilled)
+            keep = self.has_lower_tier and not (unfilled and h in unfilled) and not self.lower_has(h)
             if keep:
                 self.wait_copies()
             data = self.copy_out(self.storage[entry.slot]) if keep else None
@@ -235,6 +240,10 @@ def host_storage(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dty
     if pin:
         return torch.zeros(shape, dtype=dtype, pin_memory=True)
     return empty_on_huge_pages(math.prod(shape), dtype).view(shape).zero_()
+
+
+def _never(block_hash: bytes) -> bool:
+    return False
 
 
 def _nothing() -> None:

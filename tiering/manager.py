@@ -65,6 +65,7 @@ class TierCounters:
     swap_fallbacks: int = 0  # swaps whose blocks DRAM could not keep: recomputed instead
     spill_drops: int = 0  # DRAM evictions not written to NVMe because too many writes were queued
     admission_rejects: int = 0  # DRAM evictions the admission policy kept off a full NVMe tier
+    spill_refreshes: int = 0  # DRAM evictions NVMe held already: refreshed there, with no copy made
 
 
 class TierManager:
@@ -83,6 +84,7 @@ class TierManager:
         host.has_lower_tier = nvme is not None
         if nvme is not None:  # a block DRAM evicts is copied straight into a write buffer of the tier
             host.copy_out = nvme.staged_copy
+            host.lower_has = nvme.__contains__  # a block on NVMe leaves DRAM without a copy: a refresh
         # pins: block hash -> (expiry, tenant). Pinned blocks may move down but are never dropped,
         # so all pins together must fit the lowest tier: half of it, and a quota per tenant
         bottom = nvme_blocks or host.num_blocks
@@ -293,6 +295,7 @@ class TierManager:
                 continue
             puts.append((ev.block_hash, ev.parent_hash, ev.data))
             new_writes += not on_disk
+            self.counters.spill_refreshes += ev.data is None
             if self.copy_log is not None:
                 hashes = encode_hashes([ev.block_hash, ev.parent_hash or b""])
                 self.copy_log.insert(mark, (SPILL, [ev.slot], hashes))
@@ -493,6 +496,7 @@ class TierManager:
         }
         if self.nvme is not None:
             out["nvme"] = {**self.nvme.stats(), "spilled_blocks": c.spilled_to_nvme, "spill_drops": c.spill_drops,
+                           "spill_refreshes": c.spill_refreshes,
                            "admission": self.admission.mode, "admission_rejects": c.admission_rejects,
                            "loaded_blocks": c.loaded_from_nvme, "failed_loads": c.failed_loads,
                            "loads_in_flight": len(self.loading)}

@@ -238,18 +238,20 @@ class NvmeTier:
         """
         return self.put_many([(block_hash, parent_hash, data)])[0]
 
-    def put_many(self, blocks: list[tuple[bytes, bytes | None, torch.Tensor]]) -> list[Future]:
+    def put_many(self, blocks: list[tuple[bytes, bytes | None, torch.Tensor | None]]) -> list[Future]:
         """put for each (block_hash, parent_hash, data), queued together: the IO threads then share
         the burst out, each writing its share's adjacent slots in one pwritev. Every item is checked
-        before any is queued."""
+        before any is queued. data None only refreshes a block the tier holds (its future: False
+        where the tier does not hold it, or the write in flight where one is)."""
         for block_hash, parent_hash, data in blocks:
             self._check_hash(block_hash, "block_hash")
             if parent_hash is not None:
                 self._check_hash(parent_hash, "parent_hash")
                 if parent_hash == block_hash:
                     raise ValueError("parent_hash must differ from block_hash")
-            self._check_data(data)
-        staged = [self._staged.claim(data) for _, _, data in blocks]
+            if data is not None:
+                self._check_data(data)
+        staged = [None if data is None else self._staged.claim(data) for _, _, data in blocks]
         futures = []
         queued = 0
         with self._lock:
@@ -269,6 +271,9 @@ class NvmeTier:
                         futures.append(_done(True))
                     else:
                         futures.append(pending.future if pending is not None else _done(False))
+                    continue
+                if data is None:  # a refresh of a block the tier no longer holds: nothing to write
+                    futures.append(_done(False))
                     continue
                 pending = _PendingWrite(block_hash, parent_hash, data, buf)
                 self._pending[block_hash] = pending
