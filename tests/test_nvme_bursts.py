@@ -221,3 +221,29 @@ def test_dram_evicts_a_block_nvme_holds_without_copying_it(tmp_path):
         manager.check_integrity()
     finally:
         manager.close()
+
+
+def test_a_copyless_spill_of_a_block_nvme_has_lost_since_is_dropped(tmp_path):
+    """DRAM made no copy because NVMe held the block; if NVMe evicted it before the spill, there is
+    nothing to put: no put, no refresh counted, nothing recorded as stored."""
+    import torch
+
+    from kvstrata.tiering.block_copy import block_shape
+    from kvstrata.tiering.host import Evicted, HostTier
+    from kvstrata.tiering.manager import TierManager
+    from kvstrata.tiering.nvme import NvmeTier
+
+    kv = torch.randn(2, 2, 8, 4, 2, 8)
+    shape = block_shape(kv)
+    manager = TierManager(kv, HostTier(2, shape, kv.dtype), NvmeTier(tmp_path / "nvme", 1 << 22, shape, kv.dtype))
+    try:
+        calls: list[int] = []
+        put_many = manager.nvme.put_many
+        manager.nvme.put_many = lambda blocks: calls.append(len(blocks)) or put_many(blocks)
+        manager._spill([Evicted(h("gone"), None, None)], 0)
+        assert calls == [] and h("gone") not in manager.nvme
+        c = manager.counters
+        assert (c.spilled_to_nvme, c.spill_refreshes, c.spill_drops, c.admission_rejects) == (0, 0, 0, 0)
+        manager.check_integrity()
+    finally:
+        manager.close()

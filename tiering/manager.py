@@ -282,6 +282,8 @@ class TierManager:
                 rec.removed([ev.block_hash], DRAM)
             pinned = ev.block_hash in self.pins
             on_disk = ev.block_hash in nvme
+            if ev.data is None and not on_disk:  # on NVMe as DRAM let it go (no copy made), evicted since
+                continue
             pending = nvme.num_pending_writes + new_writes
             disk_full = nvme.used_bytes + (pending + 1) * nvme.file_bytes > nvme.capacity_bytes
             times_computed = self._computed.get(ev.block_hash, 0)

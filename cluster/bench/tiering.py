@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.cluster.bench.bandwidth import MB, References, measure_references
-from kvstrata.cluster.bench.throughput import Progress, percentile
 from kvstrata.cluster.bench.dram_probe import DramProbe, probe_dram_tier
+from kvstrata.cluster.bench.throughput import Progress, percentile
 from kvstrata.cluster.bench.tier_probe import TierProbe, probe_nvme_tier
 from kvstrata.cluster.bench.transfers import Transfer, dram_probe_transfers, nvme_transfers, probe_transfers
 from kvstrata.cluster.bench.workloads import multi_turn
