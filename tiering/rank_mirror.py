@@ -29,6 +29,7 @@ import numpy
 import torch
 
 from kvstrata.tiering.block_copy import block_shape, copy_blocks_into, copy_to_device, copy_to_host
+from kvstrata.tiering.host import host_storage
 
 TO_HOST, TO_DEVICE, SPILL, LOAD, COMMIT, CLEAR = 1, 2, 3, 4, 5, 6
 READING = -1  # a load's status while some rank is still reading it
@@ -81,8 +82,7 @@ class RankTiers:
 
     def __init__(self, kv_cache: torch.Tensor, num_host_blocks: int, nvme=None, kernels=None):
         self.kv_cache = kv_cache
-        self.storage = torch.zeros((num_host_blocks, *block_shape(kv_cache)), dtype=kv_cache.dtype,
-                                   pin_memory=kv_cache.is_cuda)
+        self.storage = host_storage(num_host_blocks, block_shape(kv_cache), kv_cache.dtype, pin=kv_cache.is_cuda)
         self.nvme = nvme
         self.kernels = kernels
         self.loads: dict[int, Future] = {}
