@@ -61,8 +61,8 @@ def probe_dram_tier(block_shape: tuple[int, ...], dtype: torch.dtype, burst_bloc
                     memcpy_bytes: int = _MEMCPY_BYTES,
                     clock: Callable[[], float] = time.perf_counter) -> DramProbe:
     """`rounds` rounds of `segments` bursts of `burst_blocks` blocks each way between a pool and a
-    DRAM tier of block_shape (layers, K/V, block size, KV heads, head dim), beside a memcpy of the
-    large memcpy. RuntimeError if a copy moved the wrong bytes."""
+    DRAM tier of block_shape (layers, K/V, block size, KV heads, head dim), each segment beside a
+    memcpy of memcpy_bytes. RuntimeError if a copy moved the wrong bytes."""
     from kvstrata.tiering.block_copy import copy_to_device, copy_to_host
     from kvstrata.tiering.host import host_storage
     from kvstrata.worker.cpu_kernels import load_cpu_kernels
