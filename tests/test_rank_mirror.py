@@ -150,3 +150,22 @@ def test_a_mirror_puts_each_run_of_spills_together_and_leaves_no_copy_behind(pai
         mirror.apply([spill, (99, [], [])])
     mirror.nvme.flush()
     assert mirror.nvme.num_staged == 0 and _hash(100) not in mirror.nvme  # its copy went back, not put
+
+
+def test_a_spill_of_a_block_the_rank_holds_on_nvme_refreshes_it_without_a_copy(pair, monkeypatch):
+    manager, mirror = pair
+    _demote_all(manager, mirror)
+    mirror.nvme.flush()
+    held = next(iter(mirror.nvme.hashes()))
+    copies: list[int] = []
+    staged_copy = mirror.nvme.staged_copy
+
+    def counting(block):
+        copies.append(1)
+        return staged_copy(block)
+
+    monkeypatch.setattr(mirror.nvme, "staged_copy", counting)
+    mirror.apply([(SPILL, [0], encode_hashes([held, b""])), (SPILL, [1], encode_hashes([_hash(101), b""]))])
+    mirror.nvme.flush()
+    assert copies == [1]  # only the block the rank did not hold was copied out
+    assert held in mirror.nvme and _hash(101) in mirror.nvme and mirror.nvme.num_staged == 0

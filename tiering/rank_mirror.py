@@ -9,7 +9,8 @@ pass (the ops ride in the step message as int64 fields):
     TO_DEVICE   DRAM slots -> pool blocks                      the same copy
     SPILL       wrote an evicted DRAM slot to NVMe as a hash   copies its share of the slot now (a later
                                                                op may reuse the slot) into an NVMe write
-                                                               buffer; a run of SPILLs is put together
+                                                               buffer, unless its NVMe holds the block
+                                                               (a refresh); a run of SPILLs is put together
     LOAD        started reading a chain of hashes from NVMe    starts reading its shares of them
     COMMIT      put the first blocks of a load into DRAM slots copies what it read into the same slots
     CLEAR       dropped every NVMe block and load              the same
@@ -100,7 +101,9 @@ class RankTiers:
         for kind, a, b in ops:
             if kind == SPILL:
                 block_hash, parent = decode_hashes(b)
-                spills.append((block_hash, parent or None, self.nvme.staged_copy(self.storage[a[0]])))
+                # a block this rank's NVMe holds already is only refreshed, without a copy, as on rank 0
+                data = None if block_hash in self.nvme else self.nvme.staged_copy(self.storage[a[0]])
+                spills.append((block_hash, parent or None, data))
                 continue
             if kind not in (TO_HOST, TO_DEVICE, LOAD, COMMIT, CLEAR):
                 raise ValueError(f"unknown tier op {kind}")
