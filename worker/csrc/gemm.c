@@ -135,9 +135,9 @@ static inline __attribute__((always_inline)) void dot_micro(const uint32_t *x, i
 #endif
 
 /* mode: 0 float32 weights, 1 bf16 weights widened, 2 bf16 pairs (x: bf16 pairs, k: even) */
-static inline __attribute__((always_inline)) void tile(const void *x, int64_t k, const void *wp, int64_t g,
-                                                       float *y, int64_t ldy, int64_t mr, int ncols, int mode,
-                                                       int ahead, const char *next, int64_t next_step) {
+static inline __attribute__((always_inline)) void tile_rows(const void *x, int64_t k, const void *wp, int64_t g,
+                                                            float *y, int64_t ldy, int64_t mr, int ncols, int mode,
+                                                            int ahead, const char *next, int64_t next_step) {
     /* a constant row count lets each variant unroll fully and keep its accumulators in registers */
 #if HAVE_DOT
 #define DOT(n) if (mode == 2) { dot_micro(x, k / 2, wp, g, y, ldy, n, ncols, ahead, next, next_step); break; }
@@ -154,6 +154,19 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t k,
     default: DOT(1) micro(x, k, wp, g, y, ldy, 1, ncols, mode, ahead, next, next_step); break;
     }
 #undef DOT
+}
+
+/* Each combination of the prefetches gets a loop of its own (constant flags), as each mode does (see
+ * gemm): tested inside the k loop, they left the branches and their spilled operands in it. */
+static inline __attribute__((always_inline)) void tile(const void *x, int64_t k, const void *wp, int64_t g,
+                                                       float *y, int64_t ldy, int64_t mr, int ncols, int mode,
+                                                       int ahead, const char *next, int64_t next_step) {
+    if (next)
+        tile_rows(x, k, wp, g, y, ldy, mr, ncols, mode, 1, next, next_step);
+    else if (ahead)
+        tile_rows(x, k, wp, g, y, ldy, mr, ncols, mode, 1, NULL, next_step);
+    else
+        tile_rows(x, k, wp, g, y, ldy, mr, ncols, mode, 0, NULL, next_step);
 }
 
 /* One row of x (a batch-1 decode step) streams the weights once, a read of the packed groups at memory
@@ -209,6 +222,43 @@ static int64_t prefetch_min_rows = 6;
 
 void kvs_gemm_set_prefetch_rows(int64_t rows) { prefetch_min_rows = rows < 2 ? 2 : rows; }
 
+/* One thread's share of the (block, group) tasks. Tasks are block-major, and each thread takes a
+ * contiguous run of them holding its share of the rows: split by count, a last block of a few rows (a
+ * prefill chunk with a few decodes beside it: 512 + 4 rows is 8 full blocks and one of 4) left one
+ * thread with less work, which then waited at the barrier (72 rows: half; on a Zen 4 EPYC, 72 rows
+ * took 0.6x the time and 260 rows 0.83x once the rows were split). */
+static inline __attribute__((always_inline)) void tasks(const void *x, const void *wp, const float *bias, float *y,
+                                                        int64_t m, int64_t n, int64_t k, int mode) {
+    int64_t groups = (n + NR - 1) / NR;
+    int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    int64_t first = task_at_rows(m * groups * tid / nt, m, groups);
+    int64_t end = task_at_rows(m * groups * (tid + 1) / nt, m, groups);
+    for (int64_t task = first; task < end; task++) {
+        int64_t b = task / groups, g = task % groups;
+        int64_t m_end = (b + 1) * MB < m ? (b + 1) * MB : m;
+        int ncols = (g + 1) * NR <= n ? NR : (int)(n - g * NR);
+        /* tile t prefetches bytes [t * k * next_step, (t + 1) * k * next_step) of the next group */
+        int64_t tiles = (m_end - b * MB + MR - 1) / MR, elem = mode ? 2 : 4;
+        int64_t next_step = (NR * elem + tiles - 1) / tiles;
+        /* from prefetch_min_rows rows on (see kvs_gemm_set_prefetch_rows); the next group only
+         * where a block has more than one tile to share it: one tile (up to MR rows) prefetching
+         * a whole group besides its own ran 1.07-1.14x slower at 6-8 rows (fp32 and bf16 pairs,
+         * Zen 5 EPYC, a step's weights from memory), and without it 10-12 rows ran even, 16
+         * rows 1.25x slower */
+        int ahead = m >= prefetch_min_rows;
+        const char *next = g + 1 < groups && ahead && tiles > 1 ? (const char *)wp + (g + 1) * k * NR * elem : NULL;
+        for (int64_t m0 = b * MB, t = 0; m0 < m_end; m0 += MR, t++) {
+            int64_t mr = m_end - m0 < MR ? m_end - m0 : MR;
+            const char *rows = (const char *)x + m0 * k * (mode == 2 ? 2 : 4); /* pairs: 2 bytes a k step */
+            tile(rows, k, wp, g, y + m0 * n + g * NR, n, mr, ncols, mode, ahead,
+                 next ? next + t * k * next_step : NULL, next_step);
+        }
+        if (bias)
+            for (int64_t i = b * MB; i < m_end; i++)
+                for (int64_t c = g * NR; c < g * NR + ncols; c++) y[i * n + c] += bias[c];
+    }
+}
+
 static inline __attribute__((always_inline)) void gemm(const void *x, const void *wp, const float *bias, float *y,
                                                        int64_t m, int64_t n, int64_t k, int mode) {
     int64_t groups = (n + NR - 1) / NR;
@@ -222,40 +272,16 @@ static inline __attribute__((always_inline)) void gemm(const void *x, const void
         }
         return;
     }
-    /* Tasks are (block, group) pairs, block-major, and each thread takes a contiguous run of them
-     * holding its share of the rows: split by count, a last block of a few rows (a prefill chunk
-     * with a few decodes beside it: 512 + 4 rows is 8 full blocks and one of 4) left one thread
-     * with less work, which then waited at the barrier (72 rows: half; on a Zen 4 EPYC, 72 rows took
-     * 0.6x the time and 260 rows 0.83x once the rows were split). */
 #pragma omp parallel
     {
-        int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        int64_t first = task_at_rows(m * groups * tid / nt, m, groups);
-        int64_t end = task_at_rows(m * groups * (tid + 1) / nt, m, groups);
-        for (int64_t task = first; task < end; task++) {
-            int64_t b = task / groups, g = task % groups;
-            int64_t m_end = (b + 1) * MB < m ? (b + 1) * MB : m;
-            int ncols = (g + 1) * NR <= n ? NR : (int)(n - g * NR);
-            /* tile t prefetches bytes [t * k * next_step, (t + 1) * k * next_step) of the next group */
-            int64_t tiles = (m_end - b * MB + MR - 1) / MR, elem = mode ? 2 : 4;
-            int64_t next_step = (NR * elem + tiles - 1) / tiles;
-            /* from prefetch_min_rows rows on (see kvs_gemm_set_prefetch_rows); the next group only
-             * where a block has more than one tile to share it: one tile (up to MR rows) prefetching
-             * a whole group besides its own ran 1.07-1.14x slower at 6-8 rows (fp32 and bf16 pairs,
-             * Zen 5 EPYC, a step's weights from memory), and without it 10-12 rows ran even, 16
-             * rows 1.25x slower */
-            int ahead = m >= prefetch_min_rows;
-            const char *next = g + 1 < groups && ahead && tiles > 1 ? (const char *)wp + (g + 1) * k * NR * elem : NULL;
-            for (int64_t m0 = b * MB, t = 0; m0 < m_end; m0 += MR, t++) {
-                int64_t mr = m_end - m0 < MR ? m_end - m0 : MR;
-                const char *rows = (const char *)x + m0 * k * (mode == 2 ? 2 : 4); /* pairs: 2 bytes a k step */
-                tile(rows, k, wp, g, y + m0 * n + g * NR, n, mr, ncols, mode, ahead,
-                     next ? next + t * k * next_step : NULL, next_step);
-            }
-            if (bias)
-                for (int64_t i = b * MB; i < m_end; i++)
-                    for (int64_t c = g * NR; c < g * NR + ncols; c++) y[i * n + c] += bias[c];
-        }
+        /* a literal mode in each call: the parallel region is outlined into a function of its own,
+         * where a mode read from the captured variables stayed a test inside the k loop */
+        if (mode == 0)
+            tasks(x, wp, bias, y, m, n, k, 0);
+        else if (mode == 1)
+            tasks(x, wp, bias, y, m, n, k, 1);
+        else
+            tasks(x, wp, bias, y, m, n, k, 2);
     }
 }
 
