@@ -192,9 +192,10 @@ static inline __attribute__((always_inline)) void value_block(const float *p, co
     }
 }
 
-static inline __attribute__((always_inline)) void value_head(const float *p, const void *v_cache, int64_t block, int64_t bs, int64_t num_kv_heads,
-                       int64_t head, int64_t group, const RowFormat *f, int64_t d, int64_t n, int64_t ct, float *acc,
-                       float *buf) {
+static inline __attribute__((always_inline)) void value_head(const float *p, const void *v_cache, int64_t block,
+                                                             int64_t bs, int64_t num_kv_heads, int64_t head,
+                                                             int64_t group, const RowFormat *f, int64_t d, int64_t n,
+                                                             int64_t ct, float *acc, float *buf) {
     int64_t per = d == 64 ? GMAX : GMAX / 2; /* 4 x 4 or 2 x 8 vectors of sums */
     for (int64_t g0 = 0; g0 < group; g0 += per) {
         int64_t nq = group - g0 < per ? group - g0 : per;
@@ -355,12 +356,12 @@ void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, con
                     memset(out + b * num_heads * d, 0, (size_t)(num_heads * d) * sizeof(float));
                     continue;
                 }
-                run(qb, k_cache, v_cache, table, seq_lens[b], 0, chunks, num_heads, num_kv_heads, d, bs,
-                              scale, f, state, work);
+                run(qb, k_cache, v_cache, table, seq_lens[b], 0, chunks, num_heads, num_kv_heads, d, bs, scale, f,
+                    state, work);
                 finish(state, out + b * num_heads * d, num_heads, d);
             } else {
-                run(qb, k_cache, v_cache, table, seq_lens[b], c, c + 1, num_heads, num_kv_heads, d, bs,
-                              scale, f, partials + task * pf, work);
+                run(qb, k_cache, v_cache, table, seq_lens[b], c, c + 1, num_heads, num_kv_heads, d, bs, scale, f,
+                    partials + task * pf, work);
             }
         }
         if (!by_sequence) {
