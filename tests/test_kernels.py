@@ -27,8 +27,8 @@ needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler")
 def test_packed_gemm_matches_linear(dtype, m, n, k, with_bias):
     """One row (its own path), row counts across micro-tiles (8 rows with AVX-512, 4 with AVX2) and
     row blocks (64); column counts across and off the packed groups (48 or 24 columns); k steps
-    across the one-row path's unrolling (4); a last row block of a few rows, which moves where the
-    threads' shares of the (block, group) tasks split."""
+    across the one-row path's unrolling (4); a last row block of a few rows, whose tasks are lighter
+    than the others in the threads' runs of (block, group) tasks."""
     gen = torch.Generator().manual_seed(m * 100 + n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).to(dtype)

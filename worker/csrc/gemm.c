@@ -170,10 +170,10 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t k,
 }
 
 /* One row of x (a batch-1 decode step) streams the weights once, a read of the packed groups at memory
- * speed, in the tile without prefetches (below prefetch_min_rows): each thread's groups are
- * contiguous and read in order, which the hardware prefetcher follows, and the tile's prefetching
- * only cost issue slots there (66 GB/s with it, 80-84 without, on a 2-core AMD EPYC with 40 fresh
- * 7 MB weights). Widened bf16 weights, half the bytes per k step, have this path of their own,
+ * speed, in the tile without prefetches (below prefetch_min_rows): each run of groups a thread
+ * takes (see tasks) is contiguous and read in order, which the hardware prefetcher follows, and the
+ * tile's prefetching only cost issue slots there (66 GB/s with it, 80-84 without, on a 2-core AMD
+ * EPYC with 40 fresh 7 MB weights). Widened bf16 weights, half the bytes per k step, have this path of their own,
  * prefetching 64 k steps ahead (66 -> 74 GB/s). fp32 and bf16 pairs had one too, until on a Zen 4
  * EPYC the tile read a step's weights from memory 4-5% faster at one row (fp32 19.8 -> 19.0 ms,
  * pairs 10.9 -> 10.4 ms, lockstep). Either way a row's sums run in the tile's order, one fused
@@ -195,19 +195,6 @@ static inline __attribute__((always_inline)) void gemv_bf16_group(const float *x
     memcpy(y, acc, (size_t)ncols * sizeof(float));
 }
 
-/* The first (block, group) task, in block-major order, before which at least `rows` rows of work lie
- * (a task's work is its block's row count; blocks are MB rows, the last one what is left). */
-static int64_t task_at_rows(int64_t rows, int64_t m, int64_t groups) {
-    int64_t blocks = (m + MB - 1) / MB, full = (blocks - 1) * MB * groups;
-    if (rows <= full) {
-        int64_t b = rows / (MB * groups), r = rows - b * MB * groups;
-        return b * groups + (r + MB - 1) / MB;
-    }
-    int64_t last = m - (blocks - 1) * MB, r = rows - full;
-    int64_t g = (r + last - 1) / last;
-    return (blocks - 1) * groups + (g < groups ? g : groups);
-}
-
 /* The fewest rows for which the tiles prefetch their weights (the current group PF k steps ahead,
  * and, with several tiles a block, a share of the next group). Whether 2-5 rows gain from it
  * depends on the host: when their one tile still prefetched the next group too, on a Zen 4 EPYC
@@ -222,18 +209,25 @@ static int64_t prefetch_min_rows = 6;
 
 void kvs_gemm_set_prefetch_rows(int64_t rows) { prefetch_min_rows = rows < 2 ? 2 : rows; }
 
-/* One thread's share of the (block, group) tasks. Tasks are block-major, and each thread takes a
- * contiguous run of them holding its share of the rows: split by count, a last block of a few rows (a
- * prefill chunk with a few decodes beside it: 512 + 4 rows is 8 full blocks and one of 4) left one
- * thread with less work, which then waited at the barrier (72 rows: half; on a Zen 4 EPYC, 72 rows
- * took 0.6x the time and 260 rows 0.83x once the rows were split). */
+/* The (block, group) tasks, block-major, taken by the threads in runs of consecutive tasks, a run
+ * at a time as each thread comes free: 8 runs a thread. Each run's tiles prefetch the group after
+ * theirs, which is mostly the run's own next task.
+ *
+ * A fixed split (each thread a contiguous share of the rows, which also balanced a prefill chunk
+ * against a last block of a few decode rows) left the threads waiting on each other wherever the
+ * cores ran at different speeds: on a shared 2-core Zen 3 EPYC, taking runs as they come made a
+ * step's products at 32 rows 1.11-1.27x faster and at 64 rows 1.16x (four lockstep runs, both
+ * orders), at 1-8 rows even, and a whole batch-32 decode step 1.02-1.15x. 16 runs a thread instead
+ * of 8 ran 0.97-1.01x. Which thread computes a tile does not change its sums, so the bits do not
+ * change either. */
 static inline __attribute__((always_inline)) void tasks(const void *x, const void *wp, const float *bias, float *y,
                                                         int64_t m, int64_t n, int64_t k, int mode) {
-    int64_t groups = (n + NR - 1) / NR;
-    int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    int64_t first = task_at_rows(m * groups * tid / nt, m, groups);
-    int64_t end = task_at_rows(m * groups * (tid + 1) / nt, m, groups);
-    for (int64_t task = first; task < end; task++) {
+    int64_t groups = (n + NR - 1) / NR, all = (m + MB - 1) / MB * groups;
+    int64_t run = all / (omp_get_num_threads() * 8);
+    run = run < 1 ? 1 : run;
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t first = 0; first < all; first += run)
+    for (int64_t task = first; task < (first + run < all ? first + run : all); task++) {
         int64_t b = task / groups, g = task % groups;
         int64_t m_end = (b + 1) * MB < m ? (b + 1) * MB : m;
         int ncols = (g + 1) * NR <= n ? NR : (int)(n - g * NR);
