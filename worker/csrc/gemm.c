@@ -173,8 +173,8 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t k,
  * speed, in the tile without prefetches (below prefetch_min_rows): each run of groups a thread
  * takes (see tasks) is contiguous and read in order, which the hardware prefetcher follows, and the
  * tile's prefetching only cost issue slots there (66 GB/s with it, 80-84 without, on a 2-core AMD
- * EPYC with 40 fresh 7 MB weights). Widened bf16 weights, half the bytes per k step, have this path of their own,
- * prefetching 64 k steps ahead (66 -> 74 GB/s). fp32 and bf16 pairs had one too, until on a Zen 4
+ * EPYC with 40 fresh 7 MB weights). Widened bf16 weights, half the bytes per k step, have this path
+ * of their own, prefetching 64 k steps ahead (66 -> 74 GB/s). fp32 and bf16 pairs had one too, until on a Zen 4
  * EPYC the tile read a step's weights from memory 4-5% faster at one row (fp32 19.8 -> 19.0 ms,
  * pairs 10.9 -> 10.4 ms, lockstep). Either way a row's sums run in the tile's order, one fused
  * multiply-add per k step in one accumulator, so its result is the same bits whatever the number of
