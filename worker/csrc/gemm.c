@@ -16,7 +16,7 @@
  * *next* group into L2, spread evenly over the k steps of all the row tiles of the block. The
  * weight stream is then fetched while the cores compute, instead of in a burst during each group's
  * first tile (25% faster at 32 rows with weights coming from DRAM), and the current group is
- * prefetched PF k steps ahead. Below prefetch_min_rows rows (6, or 2 where the engine measured that
+ * prefetched a few KB ahead of its loads (AHEAD_BYTES). Below prefetch_min_rows rows (6, or 2 where the engine measured that
  * it pays) both are left to the hardware prefetcher (one row of widened bf16 has a path of its own,
  * gemv_bf16_group). A prefetch never faults, so running past the end is harmless.
  * bf16 weights are widened in registers, x and y float32; or, where the build has AVX512-BF16 and the
@@ -67,6 +67,22 @@
 #define PF 32          /* k steps of weight prefetch: 16 before, and 32 made a step's fp32 products 1.06-1.09x
                         * faster at 6-8 rows, 1.01-1.04x at 16-32, bf16 pairs 1.02-1.18x at 8 rows
                         * and 1.04-1.06x at 16 (Zen 5 EPYC, weights from memory, lockstep) */
+/* Where the current group's prefetch goes, and how far ahead of the loads. With AVX-512, into L2
+ * and PF float32 k steps ahead in bytes (6 KB) whatever the weights' format: a tile of 6-8 rows
+ * consumes a weight line every 8 cycles, and prefetched into L1 the lines in flight were capped by
+ * L1's few miss buffers, so the products waited on memory instead of overlapping with it. On a
+ * Zen 4 EPYC (weights from memory, lockstep, three runs) a step's fp32 products ran 1.09-1.17x
+ * faster at 6-8 rows, 1.02-1.07x at 12-16 and even to 1.05x at 24-64; bf16 pairs 1.11-1.18x at
+ * 6-8 rows, 1.04-1.10x at 12-16 and 1.01-1.02x at 32-64; widened bf16 1.08x at 6-8 rows. The same
+ * change in an AVX2 build (4-row tiles) ran 0.94-1.07x there, so AVX2 keeps L1 and PF k steps of
+ * its own format. */
+#if VW == 16
+#define AHEAD_HINT 2
+#define AHEAD_BYTES(elem) (PF * NR * 4)
+#else
+#define AHEAD_HINT 3
+#define AHEAD_BYTES(elem) (PF * NR * (elem))
+#endif
 
 static inline __attribute__((always_inline)) vf load_weight(const void *w, int64_t idx, int is_bf16) {
     vf v;
@@ -85,13 +101,13 @@ static inline __attribute__((always_inline)) void micro(const float *x, int64_t 
     UNROLL for (int i = 0; i < MR; i++)
         UNROLL for (int j = 0; j < NP; j++) acc[i][j] = (vf){0};
     int64_t base = g * k * NR;
-    const char *pf = (const char *)wp + (base + PF * NR) * (is_bf16 ? 2 : 4);
+    const char *pf = (const char *)wp + base * (is_bf16 ? 2 : 4) + AHEAD_BYTES(is_bf16 ? 2 : 4);
     int64_t pf_step = NR * (is_bf16 ? 2 : 4);
     for (int64_t kk = 0; kk < k; kk++) {
         vf w[NP];
         UNROLL for (int j = 0; j < NP; j++) w[j] = load_weight(wp, base + kk * NR + VW * j, is_bf16);
         if (ahead)
-            for (int64_t b = 0; b < pf_step; b += 64) __builtin_prefetch(pf + kk * pf_step + b);
+            for (int64_t b = 0; b < pf_step; b += 64) __builtin_prefetch(pf + kk * pf_step + b, 0, AHEAD_HINT);
         if (next)
             for (int64_t b = 0; b < next_step; b += 64) __builtin_prefetch(next + kk * next_step + b, 0, 2);
         UNROLL for (int i = 0; i < mr; i++) {
@@ -116,12 +132,12 @@ static inline __attribute__((always_inline)) void dot_micro(const uint32_t *x, i
     UNROLL for (int i = 0; i < MR; i++)
         UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm512_setzero_ps();
     const uint16_t *wg = wp + g * kp * 2 * NR;
-    const char *pf = (const char *)(wg + PF * NR);
+    const char *pf = (const char *)wg + AHEAD_BYTES(2);
     for (int64_t kk = 0; kk < kp; kk++) {
         __m512bh w[NP];
         UNROLL for (int j = 0; j < NP; j++) w[j] = (__m512bh)_mm512_loadu_si512(wg + (kk * NR + VW * j) * 2);
         if (ahead)
-            for (int64_t b = 0; b < 4 * NR; b += 64) __builtin_prefetch(pf + kk * 4 * NR + b);
+            for (int64_t b = 0; b < 4 * NR; b += 64) __builtin_prefetch(pf + kk * 4 * NR + b, 0, AHEAD_HINT);
         if (next)
             for (int64_t b = 0; b < 2 * next_step; b += 64) __builtin_prefetch(next + kk * 2 * next_step + b, 0, 2);
         UNROLL for (int i = 0; i < mr; i++) {
