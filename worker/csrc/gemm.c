@@ -225,25 +225,28 @@ static int64_t prefetch_min_rows = 6;
 
 void kvs_gemm_set_prefetch_rows(int64_t rows) { prefetch_min_rows = rows < 2 ? 2 : rows; }
 
-/* The (block, group) tasks, block-major, taken by the threads in runs of consecutive tasks, a run
- * at a time as each thread comes free: 8 runs a thread. Each run's tiles prefetch the group after
- * theirs, which is mostly the run's own next task.
+/* The (block, group) tasks, block-major, taken by the threads in runs of consecutive tasks as each
+ * thread comes free, each run half of what is left over the threads (OpenMP's guided schedule):
+ * long runs first, so that a thread streams a long stretch of the weights and its tiles' prefetch
+ * of the next group is mostly for itself, then shorter ones, so that neither thread waits long on
+ * the other at the end.
  *
  * A fixed split (each thread a contiguous share of the rows, which also balanced a prefill chunk
  * against a last block of a few decode rows) left the threads waiting on each other wherever the
  * cores ran at different speeds: on a shared 2-core Zen 3 EPYC, taking runs as they come made a
  * step's products at 32 rows 1.11-1.27x faster and at 64 rows 1.16x (four lockstep runs, both
- * orders), at 1-8 rows even, and a whole batch-32 decode step 1.02-1.15x. 16 runs a thread instead
- * of 8 ran 0.97-1.01x. Which thread computes a tile does not change its sums, so the bits do not
- * change either. */
+ * orders), at 1-8 rows even, and a whole batch-32 decode step 1.02-1.15x. Those runs were of equal
+ * size, 8 a thread; on a Zen 4 EPYC the guided runs made a step's products 1.02-1.21x faster from
+ * 1 to 64 rows in fp32 and 0.97-1.18x in bf16 pairs (lockstep, one copy of the weights for both
+ * builds; 1.03-1.39x in an AVX2 build there; with the threads pinned and one core shared with a
+ * busy loop, 0.95-1.27x), and whole decode steps at batch 1, 8 and 32 1.0-1.05x in fp32 and
+ * 0.99-1.09x in bf16 (two engines in lockstep, both load orders). Which thread computes a tile does not change its sums, so the bits do
+ * not change either. */
 static inline __attribute__((always_inline)) void tasks(const void *x, const void *wp, const float *bias, float *y,
                                                         int64_t m, int64_t n, int64_t k, int mode) {
     int64_t groups = (n + NR - 1) / NR, all = (m + MB - 1) / MB * groups;
-    int64_t run = all / (omp_get_num_threads() * 8);
-    run = run < 1 ? 1 : run;
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t first = 0; first < all; first += run)
-    for (int64_t task = first; task < (first + run < all ? first + run : all); task++) {
+#pragma omp for schedule(guided) nowait
+    for (int64_t task = 0; task < all; task++) {
         int64_t b = task / groups, g = task % groups;
         int64_t m_end = (b + 1) * MB < m ? (b + 1) * MB : m;
         int ncols = (g + 1) * NR <= n ? NR : (int)(n - g * NR);
