@@ -7,7 +7,8 @@ that ratio says as much about the moments as about the tier. This probe takes th
 path (`copy_to_host` and `copy_to_device`, as the tier manager calls them) on the chat's block
 layout, in **lockstep** with its reference: every segment is a burst of random pool blocks demoted
 into random DRAM slots, the same slots promoted back into other pool blocks, and a memcpy from one
-contiguous buffer of 64 MB into another on all cores (torch's `copy_`, which then writes past the
+contiguous buffer of 64 MB into another on all cores, both on huge pages as the pool and the tier's
+storage are (torch's `copy_`, which then writes past the
 caches as the tier's copies do; a memcpy of a burst's few megabytes does not, and ran slower than the
 tier on a Zen 4 EPYC). Before each of the three, a copy larger than the caches flushes them, as a
 block the pool evicts has usually left them. Each side's rate is its bytes over the sum of its own
@@ -81,8 +82,11 @@ def probe_dram_tier(block_shape: tuple[int, ...], dtype: torch.dtype, burst_bloc
     kernels = load_cpu_kernels()
     block_bytes = math.prod(block_shape) * dtype.itemsize
     num_bytes = burst_blocks * block_bytes
-    # every buffer written once before the first timed copy: a first touch would time page faults
-    src, dst = torch.empty(memcpy_bytes, dtype=torch.uint8), torch.zeros(memcpy_bytes, dtype=torch.uint8)
+    # every buffer written once before the first timed copy: a first touch would time page faults;
+    # the memcpy's on huge pages as the pool and the tier are (a copy on 4 KB pages times page walks
+    # that the tier's copies do not pay)
+    src = empty_on_huge_pages(memcpy_bytes, torch.uint8)
+    dst = empty_on_huge_pages(memcpy_bytes, torch.uint8).zero_()
     src.random_(0, 256, generator=torch.Generator().manual_seed(seed + 1))
     flush_src = torch.ones(max(flush_bytes // 2, 1), dtype=torch.uint8)
     flush_dst = torch.zeros_like(flush_src)
