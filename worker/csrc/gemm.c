@@ -71,11 +71,11 @@
  * and PF float32 k steps ahead in bytes (6 KB) whatever the weights' format: a tile of 6-8 rows
  * consumes a weight line every 8 cycles, and prefetched into L1 the lines in flight were capped by
  * L1's few miss buffers, so the products waited on memory instead of overlapping with it. On a
- * Zen 4 EPYC (weights from memory, lockstep, three runs) a step's fp32 products ran 1.09-1.17x
- * faster at 6-8 rows, 1.02-1.07x at 12-16 and even to 1.05x at 24-64; bf16 pairs 1.11-1.18x at
- * 6-8 rows, 1.04-1.10x at 12-16 and 1.01-1.02x at 32-64; widened bf16 1.08x at 6-8 rows. The same
- * change in an AVX2 build (4-row tiles) ran 0.94-1.07x there, so AVX2 keeps L1 and PF k steps of
- * its own format. */
+ * Zen 4 EPYC (one copy of a step's weights on huge pages through both builds, lockstep, three runs)
+ * the fp32 products ran 1.06-1.13x faster at 6-8 rows, 0.95-1.02x at 12-16 and 0.99-1.04x at
+ * 24-64; bf16 pairs 0.98-1.15x at 6-8 rows, 1.0-1.06x at 12-16 and 1.02-1.07x at 24-64; decode
+ * steps of 6-8 sequences 1.02-1.11x in fp32 and 1.08-1.17x in bf16. The same change in an AVX2
+ * build (4-row tiles) ran 0.94-1.07x there, so AVX2 keeps L1 and PF k steps of its own format. */
 #if VW == 16
 #define AHEAD_HINT 2
 #define AHEAD_BYTES(elem) (PF * NR * 4)
