@@ -16,9 +16,10 @@
  * *next* group into L2, spread evenly over the k steps of all the row tiles of the block. The
  * weight stream is then fetched while the cores compute, instead of in a burst during each group's
  * first tile (25% faster at 32 rows with weights coming from DRAM), and the current group is
- * prefetched a few KB ahead of its loads (AHEAD_BYTES). Below prefetch_min_rows rows (6, or 2 where the engine measured that
- * it pays) both are left to the hardware prefetcher (one row of widened bf16 has a path of its own,
- * gemv_bf16_group). A prefetch never faults, so running past the end is harmless.
+ * prefetched a few KB ahead of its loads (AHEAD_BYTES). Below prefetch_min_rows rows (6, or 2 where
+ * the engine measured that it pays) both are left to the hardware prefetcher (one row of widened
+ * bf16 has a path of its own, gemv_bf16_group). A prefetch never faults, so running past the end is
+ * harmless.
  * bf16 weights are widened in registers, x and y float32; or, where the build has AVX512-BF16 and the
  * process has no AMX tiles (csrc/amx_gemm.c), multiplied by dot-product instructions (below). Built
  * with -ffp-contract=fast, so that `acc += x * w` is one fused multiply-add.
