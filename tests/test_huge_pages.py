@@ -85,3 +85,17 @@ def test_io_buffers_are_aligned_for_o_direct_on_huge_pages_or_not(monkeypatch):
     monkeypatch.setattr(disk_io, "huge_pages_available", lambda: False)
     buf = disk_io.io_buffer(741376)
     assert buf.shape == (741376,) and buf.data_ptr() % ALIGN == 0
+
+
+@needs_thp
+def test_bandwidth_probes_read_huge_pages_as_the_engine_does():
+    """A probe on 4 KB pages times page walks the engine does not pay, and its bound is no bound."""
+    from kvstrata.cluster.bench.roofline import PeakProbe, probe_buffer
+
+    buf = probe_buffer(8 * HUGE_PAGE, 3.0)
+    assert buf.dtype == torch.float32 and buf.numel() == 2 * HUGE_PAGE
+    assert bool((buf == 3.0).all())
+    assert buf.data_ptr() % HUGE_PAGE == 0 and _smaps_entry(buf.data_ptr())["THPeligible"] == "1"
+    probe = PeakProbe("float32", read_bytes=4 * HUGE_PAGE, matmul_size=64)
+    assert _smaps_entry(probe._buf.data_ptr())["THPeligible"] == "1"
+    assert probe.measure().read_bytes_per_s > 0
