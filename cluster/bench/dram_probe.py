@@ -9,9 +9,10 @@ layout, in **lockstep** with its reference: every segment is a burst of random p
 into random DRAM slots, the same slots promoted back into other pool blocks, and a memcpy from one
 contiguous buffer of 64 MB into another on all cores, both on huge pages as the pool and the tier's
 storage are (torch's `copy_`, which then writes past the caches as the tier's copies do; a memcpy of
-a burst's few megabytes does not, and ran slower than the tier on a Zen 4 EPYC). Before each of the three, a copy larger than the caches flushes them, as a
-block the pool evicts has usually left them. Each side's rate is its bytes over the sum of its own
-segments' times; the report quotes the round whose ratio is the median.
+a burst's few megabytes does not, and ran slower than the tier on a Zen 4 EPYC). Before each of the
+three, a copy larger than the caches flushes them, as a block the pool evicts has usually left them.
+Each side's rate is its bytes over the sum of its own segments' times; the report quotes the round
+whose ratio is the median.
 """
 
 from __future__ import annotations

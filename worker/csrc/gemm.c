@@ -241,8 +241,8 @@ void kvs_gemm_set_prefetch_rows(int64_t rows) { prefetch_min_rows = rows < 2 ? 2
  * 1 to 64 rows in fp32 and 0.97-1.18x in bf16 pairs (lockstep, one copy of the weights for both
  * builds; 1.03-1.39x in an AVX2 build there; with the threads pinned and one core shared with a
  * busy loop, 0.95-1.27x), and whole decode steps at batch 1, 8 and 32 1.0-1.05x in fp32 and
- * 0.99-1.09x in bf16 (two engines in lockstep, both load orders). Which thread computes a tile does not change its sums, so the bits do
- * not change either. */
+ * 0.99-1.09x in bf16 (two engines in lockstep, both load orders). Which thread computes a tile
+ * does not change its sums, so the bits do not change either. */
 static inline __attribute__((always_inline)) void tasks(const void *x, const void *wp, const float *bias, float *y,
                                                         int64_t m, int64_t n, int64_t k, int mode) {
     int64_t groups = (n + NR - 1) / NR, all = (m + MB - 1) / MB * groups;
