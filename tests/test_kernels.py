@@ -244,6 +244,25 @@ def test_kernel_build_is_cached_and_survives_a_missing_compiler(tmp_path, monkey
         load_cpu_kernels.cache_clear()
 
 
+def test_a_failing_compile_is_no_kernels_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    """The sources compile in parallel into a temporary directory: a compiler that fails every
+    compile gives no kernels (the torch paths then run), and neither objects nor a half-built
+    library stay in the cache."""
+    fake = tmp_path / "fake-cc"
+    fake.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo fake-cc 1.0; exit 0; fi\n'
+                    'echo "fake-cc: cannot compile" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(cache))
+    monkeypatch.setenv("CC", str(fake))
+    load_cpu_kernels.cache_clear()
+    try:
+        assert load_cpu_kernels() is None
+        assert list((cache / "kernels").iterdir()) == []
+    finally:
+        load_cpu_kernels.cache_clear()
+
+
 def test_padded_rows_buckets_bound_the_waste():
     from kvstrata.worker.linear import padded_rows
 

@@ -76,7 +76,15 @@ def _compile(compiler: str, out: str) -> None:
             subprocess.run([compiler, *compile_flags, "-c", str(_SOURCES[i]), "-o", objects[i]], capture_output=True,
                            text=True, check=True)
 
-        with ThreadPoolExecutor(max_workers=max(1, min(len(_SOURCES), os.cpu_count() or 1))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(len(_SOURCES), _usable_cores()))) as pool:
             for job in [pool.submit(one, i) for i in range(len(_SOURCES))]:
                 job.result()  # the first failed compile's CalledProcessError, once all have ended
         subprocess.run([compiler, *_FLAGS, *objects, "-o", out, "-lm"], capture_output=True, text=True, check=True)
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (a container's CPU set, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
