@@ -198,6 +198,28 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t k,
  * rows beside it: outputs do not depend on how requests were batched. */
 static inline __attribute__((always_inline)) void gemv_bf16_group(const float *x, int64_t k, const uint16_t *wp,
                                                                   int64_t g, float *y, int ncols) {
+#if VW == 8 && defined(__AVX2__)
+    /* With AVX2, in 128-bit halves: each half of 4 columns widened by one unpack against zero, 6 sums
+     * a group instead of 3. On a Zen 1 EPYC (128-bit pipes) the 3 sums of 8 waited on each other's
+     * multiply-adds and the widening took two operations a vector: one core, a group in cache, 4.1
+     * -> 11.3 G weights/s. Each column's sum is the same chain of multiply-adds either way. */
+    __m128 acc[2 * NP];
+    UNROLL for (int j = 0; j < 2 * NP; j++) acc[j] = _mm_setzero_ps();
+    const __m128i zero = _mm_setzero_si128();
+    int64_t base = g * k * NR;
+    for (int64_t kk = 0; kk < k; kk++) {
+        __m128 xv = _mm_set1_ps(x[kk]);
+        const char *ahead = (const char *)(wp + base + (kk + 64) * NR);
+        __builtin_prefetch(ahead);
+        __builtin_prefetch(ahead + 64);
+        UNROLL for (int j = 0; j < NP; j++) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(wp + base + kk * NR + VW * j));
+            acc[2 * j] = _mm_fmadd_ps(xv, _mm_castsi128_ps(_mm_unpacklo_epi16(zero, v)), acc[2 * j]);
+            acc[2 * j + 1] = _mm_fmadd_ps(xv, _mm_castsi128_ps(_mm_unpackhi_epi16(zero, v)), acc[2 * j + 1]);
+        }
+    }
+    memcpy(y, acc, (size_t)ncols * sizeof(float));
+#else
     vf acc[NP];
     UNROLL for (int j = 0; j < NP; j++) acc[j] = (vf){0};
     int64_t base = g * k * NR;
@@ -210,6 +232,7 @@ static inline __attribute__((always_inline)) void gemv_bf16_group(const float *x
         UNROLL for (int j = 0; j < NP; j++) acc[j] += xv * widen_bf16(wp + base + kk * NR + VW * j);
     }
     memcpy(y, acc, (size_t)ncols * sizeof(float));
+#endif
 }
 
 /* The fewest rows for which the tiles prefetch their weights (the current group PF k steps ahead,
