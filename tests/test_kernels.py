@@ -3,6 +3,7 @@ and the kernel build itself (cached, and skipped cleanly when switched off)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import pytest
@@ -680,3 +681,57 @@ def test_bf16_products_of_a_few_rows_ignore_what_earlier_calls_left_behind():
         again = KERNELS.gemm(x[:rows], packed, None)
         assert torch.equal(again, clean[:rows])
     torch.testing.assert_close(clean.double(), (x.double() @ w.double().T).bfloat16().double(), rtol=2e-2, atol=2e-2)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _malloc_in_use() -> int | None:
+    """Bytes the C allocator has handed out and not had back, over all its arenas (glibc's
+    mallinfo2); None where there is no such call. Unlike the resident set, it does not count what
+    the allocator keeps for reuse after a free."""
+    fn = getattr(ctypes.CDLL(None), "mallinfo2", None)
+    if fn is None:
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return info.uordblks + info.hblkhd
+
+
+@needs_kernels
+def test_threads_that_multiply_widened_bf16_and_exit_leave_no_copies_behind():
+    """From 4 row tiles a block, the widening kernel widens each group of bf16 weights once into a
+    float32 copy kept per thread (csrc/gemm.c). A thread that multiplies and exits, with the OpenMP
+    workers it started, must take its copy with it: 64 such threads, each with a 0.75-1.5 MB copy
+    (k = 8192), leave the allocator's bytes in use where they were (kept without a thread's exit
+    freeing them, they grew by 48 MB or more), and every call gives the same bits."""
+    import threading
+
+    if KERNELS.amx or KERNELS.bf16_dot:
+        pytest.skip("bf16 products run on AMX tiles or dot products here, which widen nothing")
+    if _malloc_in_use() is None:
+        pytest.skip("no mallinfo2 in this C library")
+    gen = torch.Generator().manual_seed(31)
+    k = 8192
+    packed = KERNELS.pack(torch.randn(48, k, generator=gen).bfloat16())
+    x = torch.randn(32, k, generator=gen).bfloat16()
+    want = KERNELS.gemm(x, packed, None)
+    same = []
+
+    def once() -> None:
+        same.append(torch.equal(KERNELS.gemm(x, packed, None), want))
+
+    def threads(count: int) -> None:
+        for _ in range(count):
+            t = threading.Thread(target=once)
+            t.start()
+            t.join()
+
+    threads(4)
+    before = _malloc_in_use()
+    threads(64)
+    grown = _malloc_in_use() - before
+    assert same == [True] * 68
+    assert grown < 8 << 20, f"{grown >> 20} MB more in use after 64 threads"

@@ -42,6 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include <pthread.h>
 
 #include "vec.h"
 
@@ -262,16 +263,45 @@ void kvs_gemm_set_prefetch_rows(int64_t rows) { prefetch_min_rows = rows < 2 ? 2
  * (the tiles then widen as before). */
 #define WIDE_MIN_TILES 4
 
+typedef struct {
+    int64_t capacity; /* floats */
+    float *data;
+} WideCopy;
+
+static pthread_key_t wide_key;
+static int wide_key_ok;
+static pthread_once_t wide_once = PTHREAD_ONCE_INIT;
+
+static void free_wide_copy(void *p) {
+    WideCopy *c = p;
+    free(c->data);
+    free(c);
+}
+
+static void make_wide_key(void) { wide_key_ok = pthread_key_create(&wide_key, free_wide_copy) == 0; }
+
+/* The calling thread's copy, kept for its next call (as large as the largest k it met) and freed
+ * when the thread exits: a thread that calls in and goes away leaves nothing behind. */
 static const float *widened_group(const uint16_t *wp, int64_t g, int64_t k) {
-    static __thread float *copy;
-    static __thread int64_t capacity;
-    int64_t elems = k * NR;
-    if (capacity < elems) { /* kept for the thread's next call: one copy a thread, as large as the largest k */
-        free(copy);
-        copy = aligned_alloc(64, (size_t)(elems * 4 + 63) / 64 * 64);
-        capacity = copy ? elems : 0;
-        if (!copy) return NULL;
+    pthread_once(&wide_once, make_wide_key);
+    if (!wide_key_ok) return NULL;
+    WideCopy *c = pthread_getspecific(wide_key);
+    if (c == NULL) {
+        c = calloc(1, sizeof *c);
+        if (c == NULL) return NULL;
+        if (pthread_setspecific(wide_key, c) != 0) {
+            free(c);
+            return NULL;
+        }
     }
+    int64_t elems = k * NR;
+    if (c->capacity < elems) {
+        free(c->data);
+        c->data = aligned_alloc(64, (size_t)(elems * 4 + 63) / 64 * 64);
+        c->capacity = c->data ? elems : 0;
+        if (c->data == NULL) return NULL;
+    }
+    float *copy = c->data;
     const uint16_t *src = wp + g * elems;
 #if VW == 8 && defined(__AVX2__)
     /* 8 bf16 values at a time, interleaved with zeros in two 128-bit halves (one operation a half,
