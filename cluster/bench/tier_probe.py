@@ -25,7 +25,8 @@ import os
 import shutil
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -152,9 +153,10 @@ def probe_nvme_tier(directory: Path, block_shape: tuple[int, ...], dtype: torch.
                     ref.append(raw.move(op, part.start * slot_bytes, len(part) * slot_bytes))
                     mine.append(tier_part(part))
 
-            lockstep("write_new", "w", lambda part: _put_burst(tier, keys[0], part, patterns, clock))
-            lockstep("write_reused", "w", lambda part: _put_burst(tier, keys[1], part, patterns, clock))
-            lockstep("read", "r", lambda part: _get_burst(tier, keys[1], part, patterns, clock))
+            with _collector_paused():
+                lockstep("write_new", "w", lambda part: _put_burst(tier, keys[0], part, patterns, clock))
+                lockstep("write_reused", "w", lambda part: _put_burst(tier, keys[1], part, patterns, clock))
+                lockstep("read", "r", lambda part: _get_burst(tier, keys[1], part, patterns, clock))
         finally:
             tier.close()
             raw.close()
@@ -162,6 +164,21 @@ def probe_nvme_tier(directory: Path, block_shape: tuple[int, ...], dtype: torch.
         rate = {k: None if None in v else total / sum(v) for k, v in times.items()}
         results.append(ProbeRound(**rate))
     return TierProbe(num_blocks, slot_bytes, direct, segments, results)
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """One garbage collection before a round and none during it: a collection in the middle of a
+    burst would time the interpreter, not the tier. (A collection before every burst did the same,
+    but each walks every object of the process: 50 ms in a bare one, hundreds in a test session.)"""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _put_burst(tier, keys: list[bytes], part: range, patterns: list[torch.Tensor],
@@ -172,7 +189,6 @@ def _put_burst(tier, keys: list[bytes], part: range, patterns: list[torch.Tensor
     untimed: they are DRAM's work, in the step loop, and the chat's NVMe rate does not count them
     either."""
     staged = [tier.staged_copy(patterns[i % len(patterns)]) for i in part]
-    gc.collect()  # a collection in the middle would time the interpreter, not the tier
     start = clock()
     futures = tier.put_many([(keys[i], None, data) for i, data in zip(part, staged)])
     stored = [f.result() for f in futures]
@@ -186,7 +202,6 @@ def _get_burst(tier, keys: list[bytes], part: range, patterns: list[torch.Tensor
                clock: Callable[[], float]) -> float:
     """Seconds of one get_many of keys[part]; RuntimeError if a block came back wrong or missing.
     The blocks go back to the tier's read buffers afterwards, as the tier manager does."""
-    gc.collect()
     start = clock()
     got = tier.get_many([keys[i] for i in part]).result()
     seconds = clock() - start
