@@ -535,25 +535,38 @@ def test_crc32_refuses_what_it_cannot_read_in_place():
 
 
 @needs_kernels
-def test_gather_packed_moves_panels_into_one_buffer_in_order():
-    """Packed panels (alone or beside a oneDNN layout) move into one buffer per dtype, in list order,
-    with the same values; other prepared weights are returned as they are."""
-    from kvstrata.worker.linear import gather_packed
+def test_prepare_all_packs_into_one_buffer_per_dtype_in_order():
+    """A model's weights are packed straight into one buffer per dtype, in list order, with the bytes
+    that packing each alone gives; beside oneDNN's layout in the hybrid bf16 backend."""
+    from kvstrata.worker.linear import HybridLinear, PackedLinear
 
     gen = torch.Generator().manual_seed(5)
-    a = KERNELS.pack(torch.randn(50, 24, generator=gen))
-    b = KERNELS.pack(torch.randn(20, 16, generator=gen))
-    h = KERNELS.pack(torch.randn(30, 8, generator=gen).bfloat16())
-    plain, side = torch.randn(4, 4), object()
-    out = gather_packed([a, plain, (b, side), h])
-    assert out[1] is plain and out[2][1] is side
-    for before, after in ((a, out[0]), (b, out[2][0]), (h, out[3])):
-        assert (after.n, after.k) == (before.n, before.k) and torch.equal(after.data, before.data)
-    f32 = [out[0].data, out[2][0].data]
-    assert f32[0].untyped_storage().data_ptr() == f32[1].untyped_storage().data_ptr()
-    assert f32[1].data_ptr() == f32[0].data_ptr() + f32[0].numel() * 4
+    ws = [torch.randn(50, 24, generator=gen), torch.randn(30, 8, generator=gen).bfloat16(),
+          torch.randn(20, 16, generator=gen), torch.randn(49, 7, generator=gen).bfloat16()]
+    out = PackedLinear(KERNELS).prepare_all(ws)
+    for w, panel in zip(ws, out):
+        alone = KERNELS.pack(w)
+        assert (panel.n, panel.k) == (alone.n, alone.k) and torch.equal(panel.data, alone.data)
+    for a, b in ((out[0], out[2]), (out[1], out[3])):  # each dtype's panels follow one another in one buffer
+        assert a.data.untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr()
+        assert b.data.data_ptr() == a.data.data_ptr() + a.data.numel() * a.data.element_size()
+    assert out[0].data.untyped_storage().data_ptr() != out[1].data.untyped_storage().data_ptr()
     x = torch.randn(3, 24, generator=gen)
-    assert torch.equal(KERNELS.gemm(x, out[0], None), KERNELS.gemm(x, a, None))
+    assert torch.equal(KERNELS.gemm(x, out[0], None), KERNELS.gemm(x, KERNELS.pack(ws[0]), None))
+    hybrid = HybridLinear(PackedLinear(KERNELS)).prepare_all(ws[1::2])
+    assert all(isinstance(h, tuple) and len(h) == 2 for h in hybrid)
+    assert torch.equal(hybrid[1][0].data, KERNELS.pack(ws[3]).data)
+
+
+@needs_kernels
+def test_pack_into_a_buffer_checks_it():
+    w = torch.randn(50, 24)
+    n = KERNELS.packed_numel(w)
+    for bad in (torch.empty(n - 1), torch.empty(n, dtype=torch.bfloat16), torch.empty(2, n)[:, 0], torch.empty(1, n)):
+        with pytest.raises(ValueError, match="out must be"):
+            KERNELS.pack(w, out=bad)
+    with pytest.raises(ValueError, match="2-D float32 or bfloat16"):
+        KERNELS.packed_numel(torch.empty(4, 4, dtype=torch.float16))
 
 
 @needs_kernels

@@ -217,15 +217,25 @@ class CpuKernels:
         return self._lib.kvs_paged_prefill_quantized(*args, code_table.contiguous().data_ptr(), extra,
                                                      int4_value_group or 0) == 0
 
-    def pack(self, weight: torch.Tensor) -> PackedWeight:
-        """weight [N, K] (float32 or bfloat16) -> groups of `gemm_group` output columns, ready for `gemm`."""
+    def packed_numel(self, weight: torch.Tensor) -> int:
+        """Elements of `weight` [N, K] once packed (what `pack` writes)."""
         if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2:
             raise ValueError(f"can only pack 2-D float32 or bfloat16 weights, not {weight.dtype} {tuple(weight.shape)}")
+        return self._lib.kvs_packed_elems(*weight.shape, weight.element_size())
+
+    def pack(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> PackedWeight:
+        """weight [N, K] (float32 or bfloat16) -> groups of `gemm_group` output columns, ready for `gemm`;
+        into `out` (1-D, dense, of the weight's dtype and `packed_numel` elements) where given."""
+        numel = self.packed_numel(weight)
+        if out is None:
+            out = torch.empty(numel, dtype=weight.dtype)
+        elif out.dtype != weight.dtype or out.dim() != 1 or out.numel() != numel or not out.is_contiguous():
+            raise ValueError(f"pack: out must be a dense 1-D {weight.dtype} tensor of {numel} elements, "
+                             f"not {out.dtype} {tuple(out.shape)}")
         w = weight.contiguous()
         n, k = w.shape
-        data = torch.empty(self._lib.kvs_packed_elems(n, k, w.element_size()), dtype=w.dtype)
-        self._lib.kvs_pack(w.data_ptr(), data.data_ptr(), n, k, w.element_size())
-        return PackedWeight(data, n, k)
+        self._lib.kvs_pack(w.data_ptr(), out.data_ptr(), n, k, w.element_size())
+        return PackedWeight(out, n, k)
 
     def gemm(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [M, K] @ packed [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""

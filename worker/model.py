@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from kvstrata.worker.attention import AttentionMetadata, paged_attention, write_kv
 from kvstrata.worker.config import ModelConfig
 from kvstrata.worker.cpu_kernels import PackedWeight
-from kvstrata.worker.linear import gather_packed, select_linear
+from kvstrata.worker.linear import select_linear
 from kvstrata.worker.rope import RotaryEmbedding
 from kvstrata.worker.tensor_parallel import TPShard
 
@@ -70,8 +70,9 @@ class LlamaModel:
         if self.embed.shape[0] != c.vocab_size or self.embed.shape[1] != c.hidden_size:
             raise ValueError(f"embedding shape {tuple(self.embed.shape)} does not match the config")
         head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
-        self.lm_head = linear.prepare(head)
         self.norm = w("model.norm.weight")
+        projections = ("qkv", "o_proj", "gate_up", "down")
+        raw: list[torch.Tensor] = []  # every layer's projections, then the head: a step's reading order
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -83,20 +84,13 @@ class LlamaModel:
             if qkv.shape[0] != (self.num_heads + 2 * self.num_kv_heads) * c.head_dim:
                 raise ValueError(f"layer {i}: q/k/v weights have {qkv.shape[0]} rows, expected "
                                  f"{(self.num_heads + 2 * self.num_kv_heads) * c.head_dim}")
-            self.layers.append(
-                LayerWeights(
-                    input_norm=w(p + "input_layernorm.weight"),
-                    qkv=linear.prepare(qkv),
-                    qkv_bias=bias,
-                    o_proj=linear.prepare(w(a + "o_proj.weight")),
-                    post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=linear.prepare(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                    down=linear.prepare(w(p + "mlp.down_proj.weight")),
-                )
-            )
-        # the packed panels into one buffer, now that the load's temporaries are gone (gather_packed)
-        projections = ("qkv", "o_proj", "gate_up", "down")
-        flat = gather_packed([getattr(layer, n) for layer in self.layers for n in projections] + [self.lm_head])
+            gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+            raw += [qkv, w(a + "o_proj.weight"), gate_up, w(p + "mlp.down_proj.weight")]
+            self.layers.append(LayerWeights(input_norm=w(p + "input_layernorm.weight"), qkv=None, qkv_bias=bias,
+                                            o_proj=None, post_norm=w(p + "post_attention_layernorm.weight"),
+                                            gate_up=None, down=None))
+        flat = linear.prepare_all(raw + [head])
+        del raw
         for i, layer in enumerate(self.layers):
             for j, n in enumerate(projections):
                 setattr(layer, n, flat[i * len(projections) + j])

@@ -478,28 +478,38 @@ int64_t kvs_packed_elems(int64_t n, int64_t k, int64_t elem) {
     return (n + NR - 1) / NR * NR * (elem == 2 && dot_on ? even(k) : k);
 }
 
+/* Group g of w [n, k] into its packed panel: columns past n zero, every element moved as the type it
+ * is (a memcpy of a run-time size per element was a library call each, 0.4 s a SmolLM2 load). T is
+ * uint32_t or uint16_t; PAIRS: bf16 in k pairs, kp of them (see the top of this file). */
+#define PACK_GROUP(T, PAIRS)                                                                                     \
+    do {                                                                                                         \
+        const T *src = w;                                                                                        \
+        T *dst = (T *)wp + g * NR * kk_len;                                                                      \
+        int64_t cols = n - g * NR < NR ? n - g * NR : NR;                                                        \
+        memset(dst, 0, (size_t)(NR * kk_len) * sizeof *dst);                                                     \
+        for (int64_t c = 0; c < cols; c++) {                                                                     \
+            const T *row = src + (g * NR + c) * k;                                                               \
+            if (PAIRS)                                                                                           \
+                for (int64_t kk = 0; kk < k; kk++) dst[((kk >> 1) * NR + c) * 2 + (kk & 1)] = row[kk];          \
+            else                                                                                                 \
+                for (int64_t kk = 0; kk < k; kk++) dst[kk * NR + c] = row[kk];                                   \
+        }                                                                                                        \
+    } while (0)
+
 /* w [n, k] -> packed groups of NR columns (see the top of this file), for bf16 in k pairs where the
- * dot products are on, or AMX tiles where they are in use; elem is 4 (fp32) or 2 (bf16). */
+ * dot products are on, or AMX tiles where they are in use; elem is 4 (fp32) or 2 (bf16). Groups are
+ * packed in parallel, each reading its rows in order. */
 void kvs_pack(const void *w, void *wp, int64_t n, int64_t k, int64_t elem) {
     if (elem == 2 && kvs_amx_active()) {
         kvs_amx_pack(w, wp, n, k);
         return;
     }
-    if (elem == 2 && dot_on) {
-        int64_t kp = even(k) / 2, groups = (n + NR - 1) / NR;
-        const uint16_t *src = w;
-        uint16_t *dst = wp;
-        memset(dst, 0, (size_t)(groups * NR * 2 * kp) * sizeof *dst);
-        for (int64_t c = 0; c < n; c++)
-            for (int64_t kk = 0; kk < k; kk++)
-                dst[((c / NR * kp + kk / 2) * NR + c % NR) * 2 + (kk & 1)] = src[c * k + kk];
-        return;
+    int pairs = elem == 2 && dot_on;
+    int64_t groups = (n + NR - 1) / NR, kk_len = pairs ? even(k) : k;
+#pragma omp parallel for schedule(static) if (n * k >= 65536)
+    for (int64_t g = 0; g < groups; g++) {
+        if (elem == 4) PACK_GROUP(uint32_t, 0);
+        else if (pairs) PACK_GROUP(uint16_t, 1);
+        else PACK_GROUP(uint16_t, 0);
     }
-    int64_t groups = (n + NR - 1) / NR;
-    memset(wp, 0, (size_t)(groups * k * NR * elem)); /* columns past n stay zero */
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t kk = 0; kk < k; kk++)
-            for (int64_t c = 0; c < NR && g * NR + c < n; c++)
-                memcpy((char *)wp + ((g * k + kk) * NR + c) * elem, (const char *)w + ((g * NR + c) * k + kk) * elem,
-                       (size_t)elem);
 }
