@@ -161,7 +161,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
             report.bound = _workload_bound(llm, workload, args.dtype, [before, _measure_peaks((args.dtype,), args.quick)])
         if args.baseline == "hf" and hf is None:
             # loaded after the first kvstrata run: decode steps run right after transformers had
-            # loaded the GGUF file took up to 1.35x as long (random workload, 2-8 rows, Zen 5 EPYC)
+            # loaded the GGUF file took 1.3-1.4x as long (random workload, 2-4 rows, Zen 5 EPYC)
             hf = load_hf_model(args.model, args.dtype)
         if hf is not None:
             if "generate" in modes:
