@@ -415,11 +415,12 @@ void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, con
             int64_t b = 0, c = 0, nb = 0, nc = 0;
             locate(task, by_sequence, first, batch, &b, &c);
             const int64_t *nx_table = NULL;
+            int64_t nx_ctx = 0;
             if (next < tasks) {
                 locate(next, by_sequence, first, batch, &nb, &nc);
                 nx_table = block_tables + nb * width;
+                nx_ctx = seq_lens[nb];
             }
-            int64_t nx_ctx = next < tasks ? seq_lens[nb] : 0;
             const float *qb = q + b * q_stride;
             const int64_t *table = block_tables + b * width;
             if (by_sequence) {

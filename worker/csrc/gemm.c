@@ -480,7 +480,7 @@ int64_t kvs_packed_elems(int64_t n, int64_t k, int64_t elem) {
 
 /* Group g of w [n, k] into its packed panel: columns past n zero, every element moved as the type it
  * is (a memcpy of a run-time size per element was a library call each, 0.4 s a SmolLM2 load). T is
- * uint32_t or uint16_t; PAIRS: bf16 in k pairs, kp of them (see the top of this file). */
+ * uint32_t or uint16_t; PAIRS: bf16 in k pairs (kk_len = k rounded up to even; see the top of this file). */
 #define PACK_GROUP(T, PAIRS)                                                                                     \
     do {                                                                                                         \
         const T *src = w;                                                                                        \
