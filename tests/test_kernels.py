@@ -111,20 +111,37 @@ def test_bf16_auto_backend_switches_on_row_count(rows):
 def test_bf16_uses_onednn_only_where_it_has_a_bf16_inner_product():
     """On an AVX2-only CPU oneDNN cannot build a bf16 inner product: auto falls back to the packed
     kernel alone, and asking for onednn is a clear error instead of a crash at the first step."""
-    from kvstrata.worker.linear import HybridLinear, PackedLinear, _onednn_bf16_runs
+    from kvstrata.worker.linear import HybridLinear, PackedLinear, _cpu_has_bf16_products, _onednn_bf16_runs
 
     cpu = torch.device("cpu")
     lin = select_linear(cpu, torch.bfloat16, "auto")
-    if _onednn_bf16_runs():
+    if _onednn_bf16_runs() and _cpu_has_bf16_products():
         assert isinstance(lin, HybridLinear)
-        assert select_linear(cpu, torch.bfloat16, "onednn").name == "onednn"
     else:
         assert isinstance(lin, PackedLinear)
+    if _onednn_bf16_runs():
+        assert select_linear(cpu, torch.bfloat16, "onednn").name == "onednn"
+    else:
         with pytest.raises(ValueError, match="onednn"):
             select_linear(cpu, torch.bfloat16, "onednn")
     x, w = torch.randn(40, 32).bfloat16(), torch.randn(48, 32).bfloat16()
     torch.testing.assert_close(lin(x, lin.prepare(w), None).float(), F.linear(x.float(), w.float()),
                                rtol=3e-2, atol=0.2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_keeps_the_packed_kernel_where_the_cpu_has_no_bf16_products(monkeypatch, native):
+    """A CPU with AVX-512 but neither AVX512-BF16 nor AMX (a Cascade Lake Xeon) runs oneDNN's bf16
+    inner product in software, several times slower than the packed kernel: auto keeps the packed
+    panels for every row count there, and the hybrid only where the CPU multiplies bf16 itself."""
+    from kvstrata.worker import linear
+
+    monkeypatch.setattr(linear, "_onednn_bf16_runs", lambda: True)
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: native, raising=False)
+    lin = select_linear(torch.device("cpu"), torch.bfloat16, "auto")
+    assert isinstance(lin, linear.HybridLinear if native else linear.PackedLinear)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
