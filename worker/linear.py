@@ -3,9 +3,9 @@
 On CPU, oneDNN and MKL come close to the cores' FLOP/s on large products but much less at the small
 row counts of a decode step. So on CPU the weights are packed once into column groups (48 or 24
 wide, by the CPU's vectors) and multiplied by a C kernel (`packed`, see csrc/gemm.c), which also
-stays ahead of oneDNN at prefill-sized row counts in float32. In bf16, oneDNN's bf16 dot-product
-instructions (and AMX tiles where the CPU has them) win from about 8 rows on, so bf16 keeps both
-layouts. oneDNN's weights are laid out for its kernels once, at load (`OneDNNLinear.prepare`).
+stays ahead of oneDNN at prefill-sized row counts in float32. In bf16, on a CPU with bf16
+dot-product instructions or AMX tiles, oneDNN's kernels win from about 8 rows on, so bf16 keeps both
+layouts there. oneDNN's weights are laid out for its kernels once, at load (`OneDNNLinear.prepare`).
 oneDNN (`onednn`) and plain `F.linear` (`torch`) remain for machines without a C compiler and for
 GPUs. Results agree with `F.linear` to float rounding.
 """
@@ -166,7 +166,7 @@ def _cpu_has_bf16_products() -> bool:
 def select_linear(device: torch.device, dtype: torch.dtype,
                   backend: str = "auto") -> TorchLinear | PackedLinear | HybridLinear:
     """backend: "auto" (packed, else oneDNN, else torch; in bf16 packed for few rows and oneDNN for
-    many), or one of "packed", "onednn", "torch" (required)."""
+    many where the CPU multiplies bf16 itself), or one of "packed", "onednn", "torch" (required)."""
     if backend not in BACKENDS:
         raise ValueError(f"linear_backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     cpu_16_32 = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
