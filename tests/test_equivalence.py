@@ -98,9 +98,13 @@ def test_a_prompts_outputs_are_the_same_bits_alone_or_batched(llm, prompt_ids):
     assert len(alone.logprobs) == 12 and all(len(lp) >= 2 for lp in alone.logprobs)
 
 
-def _fused_matches_call_by_call(llm, prompt_ids) -> None:
-    """Decode-only steps run each layer as a few C calls (worker/fused_decode.py); switched off, the
-    same kernels run one by one from Python. Tokens and log-probabilities must not move."""
+def _fused_matches_call_by_call(llm, prompt_ids, chunk: int = 0) -> list[tuple[int, int]]:
+    """Steps run each layer as a few C calls (worker/fused_decode.py); switched off, the same kernels
+    run one by one from Python. Tokens and log-probabilities must not move. chunk: prompts prefill
+    in chunks of that many tokens, so that decodes and prefill chunks share steps. Returns each fused
+    step's (decode rows, prefill chunks)."""
+    import dataclasses
+
     model = llm.engine.runner.model
     fused = model.fused_decode
     if fused is None:
@@ -109,12 +113,16 @@ def _fused_matches_call_by_call(llm, prompt_ids) -> None:
     original = fused.forward
 
     def counting(*args, **kwargs):
-        calls.append(args[0].shape[0])
+        meta = args[4]
+        calls.append((meta.num_decodes, len(meta.prefills)))
         return original(*args, **kwargs)
 
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+    scheduler = llm.engine.scheduler
+    config = scheduler.config
     fused.forward = counting
     try:
+        scheduler.config = dataclasses.replace(config, long_prefill_token_threshold=chunk)
         # each run from an empty prefix cache: bf16 prefills attend through torch, whose sums over a
         # cached prefix and over a fresh one are not the same bits
         llm.reset_prefix_cache()
@@ -123,16 +131,26 @@ def _fused_matches_call_by_call(llm, prompt_ids) -> None:
         llm.reset_prefix_cache()
         without = llm.generate(prompt_ids[:3], params)
     finally:
+        scheduler.config = config
         model.fused_decode = fused
         del fused.forward  # back to the class's method
-    assert calls and max(calls) == 3  # decode steps of all three sequences went through it
+    assert (3, 0) in calls  # decode steps of all three sequences went through it
     for a, b in zip(with_fused, without):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    return calls
 
 
 def test_fused_decode_layers_give_the_same_bits_as_the_call_by_call_path(llm, prompt_ids):
-    _fused_matches_call_by_call(llm, prompt_ids)
+    calls = _fused_matches_call_by_call(llm, prompt_ids)
+    assert any(prefills for _, prefills in calls)  # float32: the prompts' prefill steps too
+
+
+def test_fused_layers_run_decodes_and_prefill_chunks_in_one_step_with_the_same_bits(llm, prompt_ids):
+    """Prompts prefilled 8 tokens at a time: the first to finish decodes while the others still
+    prefill, and those steps run fused as well (float32, K/V rows of floats)."""
+    calls = _fused_matches_call_by_call(llm, prompt_ids, chunk=8)
+    assert any(decodes and prefills for decodes, prefills in calls)
 
 
 def test_fused_bf16_decode_layers_give_the_same_bits_as_the_call_by_call_path(prompt_ids):
@@ -151,7 +169,8 @@ def test_fused_bf16_decode_layers_give_the_same_bits_as_the_call_by_call_path(pr
     if fused.max_tokens is not None:
         most = fused.max_tokens
         assert not fused.takes(_decode_meta(most + 1), most + 1) and fused.takes(_decode_meta(most), most)
-    _fused_matches_call_by_call(bf16, prompt_ids)
+    calls = _fused_matches_call_by_call(bf16, prompt_ids, chunk=8)
+    assert not any(prefills for _, prefills in calls)  # bf16 prefills attend through torch
     bf16.check_integrity()
 
 
@@ -174,5 +193,6 @@ def test_fused_decode_layers_write_and_read_quantized_kv_with_the_same_bits(prom
     if fused is None:
         pytest.skip("needs the CPU kernels and packed weights")
     assert fused.kv_kind(quantized.engine.runner.kv_format, torch.uint8) is not None
-    _fused_matches_call_by_call(quantized, prompt_ids)
+    calls = _fused_matches_call_by_call(quantized, prompt_ids, chunk=8)
+    assert not any(prefills for _, prefills in calls)  # quantized prefills run call by call
     quantized.check_integrity()

@@ -85,6 +85,8 @@ class CpuKernels:
         lib.kvs_layer_f32.restype = ctypes.c_int
         lib.kvs_layer_bf16.restype = None
         self.layer_f32, self.layer_bf16 = lib.kvs_layer_f32, lib.kvs_layer_bf16
+        lib.kvs_paged_prefill_takes.argtypes = [ctypes.c_int64] * 4
+        lib.kvs_paged_prefill_takes.restype = ctypes.c_int
         lib.kvs_paged_prefill_f32.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
                                               + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
                                               + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float])
@@ -190,6 +192,11 @@ class CpuKernels:
         xf, ids = x.float().contiguous(), _dense_int64(slots)
         self._lib.kvs_codes_write(cache.data_ptr(), hkv, head_dim, xf.data_ptr(), hkv * head_dim, ids.data_ptr(),
                                   len(ids), self.CODE_KINDS[name], max_code)
+
+    def prefill_takes(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+        """Whether paged_prefill takes these shapes (head size 64 or 128; blocks a multiple of 16, or 8
+        in an AVX2 build)."""
+        return bool(self._lib.kvs_paged_prefill_takes(num_heads, num_kv_heads, head_dim, block_size))
 
     def paged_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                       prefills: PrefillArrays, scale: float, code_table: torch.Tensor | None = None,

@@ -1,11 +1,13 @@
-"""Decode-only steps on CPU, a layer in one C call (csrc/layer.c), in float32 and, while the step's
-rows go to the packed GEMM (up to 8), in bf16.
+"""Decode steps on CPU, a layer in one C call (csrc/layer.c): in float32, with the prefill chunks
+that share the step (K/V rows of floats), and, while the step's rows go to the packed GEMM (up to 8,
+or 64), decode-only steps in bf16.
 
 A step's layer is otherwise about ten Python-level calls (projections, RoPE and K/V write,
 attention, norms), each with its checks and its ctypes or torch dispatch: about 30-40 us a layer,
-a fifth of a batch-1 step on a 2-core host. Here the same kernels run from C on the same buffers in
-the same order, so the hidden states are the same bits as the call-by-call path's. The pointers
-that stay for the model's life are set up once; a step sets up its own once, for all layers.
+a fifth of a batch-1 step on a 2-core host, and about half of a step of 8 decodes beside an
+8-token prompt chunk. Here the same kernels run from C on the same buffers in the same order, so
+the hidden states are the same bits as the call-by-call path's. The pointers that stay for the
+model's life are set up once; a step sets up its own once, for all layers.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvstrata.worker.attention import prefill_arrays
 from kvstrata.worker.cpu_kernels import CpuKernels, PackedWeight
 from kvstrata.worker.kv_format import Int4Format, KVFormat, ScaledRowFormat
 
@@ -36,7 +39,10 @@ class _DecodeStep(ctypes.Structure):
                 + [(name, _P) for name in ("cos", "ssin", "slots", "block_tables", "seq_lens", "residual", "x",
                                            "qkv", "attn", "o", "gate_up", "act", "wide_in", "wide_out")]
                 + [("kv_kind", ctypes.c_int64), ("kv_table", _P), ("kv_extra", ctypes.c_int64),
-                   ("kv_group", ctypes.c_int64), ("kv_max_code", ctypes.c_float)])
+                   ("kv_group", ctypes.c_int64), ("kv_max_code", ctypes.c_float)]
+                + [("num_decodes", ctypes.c_int64), ("num_prefills", ctypes.c_int64)]
+                + [(name, _P) for name in ("pf_tables", "pf_starts", "pf_counts", "pf_ctxs")]
+                + [("pf_width", ctypes.c_int64)])
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -99,12 +105,22 @@ class FusedDecode:
             return 4
         return CpuKernels.CODE_KINDS.get(fmt.name) if isinstance(fmt, ScaledRowFormat) else None
 
-    def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """A decode-only step whose attention runs in the C kernel, with nobody watching the scores
-        (and, in bf16, few enough rows for the packed GEMM)."""
-        return (not meta.prefills and meta.num_decodes == num_tokens and meta.cpu_kernels is not None
-                and meta.attention_observer is None and meta.decode_block_tables is not None
-                and (self.max_tokens is None or num_tokens <= self.max_tokens))
+    def takes(self, meta: AttentionMetadata, num_tokens: int, block_size: int | None = None) -> bool:
+        """A step whose attention runs in the C kernels, with nobody watching the scores: decodes only,
+        or in float32 with prefill chunks over K/V rows of floats in blocks of `block_size` that the
+        prefill kernel takes (and, in bf16, few enough rows for the packed GEMM)."""
+        if (meta.cpu_kernels is None or meta.attention_observer is not None
+                or (meta.num_decodes and meta.decode_block_tables is None)
+                or (self.max_tokens is not None and num_tokens > self.max_tokens)):
+            return False
+        if not meta.prefills:
+            return meta.num_decodes == num_tokens
+        return (self.dtype == torch.float32 and (meta.kv_format is None or meta.kv_format.is_plain)
+                and block_size is not None and self._prefill_takes(block_size))
+
+    def _prefill_takes(self, block_size: int) -> bool:
+        m = self.model
+        return m.cpu_kernels.prefill_takes(m.num_heads, m.num_kv_heads, self.head_dim, block_size)
 
     def forward(self, residual: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
@@ -122,8 +138,11 @@ class FusedDecode:
         bf16 = self.dtype == torch.bfloat16
         wide_in = buf(tokens, max(hidden, self.inter, q_size), dtype=torch.float32) if bf16 else None
         wide_out = buf(tokens, max(self.qkv_n, 2 * self.inter), dtype=torch.float32) if bf16 else None
-        tables = meta.decode_block_tables.to(torch.int64).contiguous()
-        lens = meta.decode_seq_lens.to(torch.int64).contiguous()
+        if meta.num_decodes:
+            tables = meta.decode_block_tables.to(torch.int64).contiguous()
+            lens = meta.decode_seq_lens.to(torch.int64).contiguous()
+        else:
+            tables = lens = torch.zeros(1, 1, dtype=torch.int64)
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
         step = _DecodeStep(tokens, hidden, self.qkv_n, self.inter, m.num_heads, m.num_kv_heads, self.head_dim,
@@ -132,6 +151,14 @@ class FusedDecode:
                            residual.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), o.data_ptr(),
                            gate_up.data_ptr(), act.data_ptr(), None if wide_in is None else wide_in.data_ptr(),
                            None if wide_out is None else wide_out.data_ptr())
+        step.num_decodes = meta.num_decodes
+        if meta.prefills:
+            if meta.prefill_arrays is None:
+                meta.prefill_arrays = prefill_arrays(meta.prefills)
+            p = meta.prefill_arrays
+            step.num_prefills, step.pf_width = len(meta.prefills), p.tables.shape[1]
+            step.pf_tables, step.pf_starts = p.tables.data_ptr(), p.starts.data_ptr()
+            step.pf_counts, step.pf_ctxs = p.counts.data_ptr(), p.ctxs.data_ptr()
         fmt = meta.kv_format
         step.kv_kind = self.kv_kind(fmt, kv_cache.dtype)
         if step.kv_kind:
@@ -150,5 +177,8 @@ class FusedDecode:
             return
         for i, ref in enumerate(self._refs):
             k_ptr = base + i * layer_bytes
-            if self._layer_f32(ref, sp, k_ptr, k_ptr + kv_bytes):
+            rc = self._layer_f32(ref, sp, k_ptr, k_ptr + kv_bytes)
+            if rc == -1:
                 raise MemoryError("fused decode: no memory for the int4 K/V write's scratch")
+            if rc:  # takes() checked the shapes
+                raise RuntimeError("fused decode: the prefill kernel refused the step's shapes")

@@ -117,7 +117,7 @@ class LlamaModel:
         self.kv_size = self.num_kv_heads * c.head_dim
         from kvstrata.worker.fused_decode import FusedDecode
 
-        self.fused_decode = FusedDecode.build(self)  # decode-only steps, one C call a layer
+        self.fused_decode = FusedDecode.build(self)  # decode steps (and float32 prefills), one C call a layer
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -135,7 +135,7 @@ class LlamaModel:
         fused_rope = self._fused_rope(kv_cache, meta)
         x = self._rms_norm(residual, self.layers[0].input_norm)
         if (self.fused_decode is not None and self.all_reduce is None  # set after load at TP
-                and kv_cache.is_contiguous() and self.fused_decode.takes(meta, num_tokens)
+                and kv_cache.is_contiguous() and self.fused_decode.takes(meta, num_tokens, kv_cache.shape[3])
                 and (fused_rope or self._quantized_rows_in_c(kv_cache, meta))):
             self.fused_decode.forward(residual, x, cos, sin, meta, kv_cache)
             return residual

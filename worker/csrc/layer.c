@@ -1,6 +1,8 @@
-/* A decode-only step's layer in one call, packed weights. float32 (kvs_layer_f32):
+/* A step's layer in one call, packed weights: its decodes, and in float32 with K/V rows of floats
+ * also the prefill chunks after them. float32 (kvs_layer_f32):
  *
- *   qkv = x Wqkv^T (+ b); RoPE and the K/V write; attention; o = attn Wo^T;
+ *   qkv = x Wqkv^T (+ b); RoPE and the K/V write; attention (the decode rows, then the prefill
+ *   chunks', each attending causally to its context); o = attn Wo^T;
  *   residual += o; x = norm(residual) * post_norm; gate_up = x Wgu^T; act = silu(gate) * up;
  *   o = act Wdown^T; residual += o; x = norm(residual) * next_norm (the next layer's input norm;
  *   without one, the last layer, only the add)
@@ -10,7 +12,8 @@
  * rounded back, as CpuKernels.gemm and paged_decode do from Python.
  *
  * float32 also takes quantized K/V (kv_kind): rows of one-byte codes with a scale (int8, fp8) or int4,
- * rotated in place, written by csrc/kv_write.c and read by the decode kernel's row formats.
+ * rotated in place, written by csrc/kv_write.c and read by the decode kernel's row formats (decodes
+ * only: with prefill chunks the step runs call by call).
  *
  * Each stage is the same kernel the step would call one by one from Python, on the same buffers
  * in the same order, so the results are the same bits; what goes away is the Python and ctypes
@@ -24,6 +27,10 @@ void kvs_gemm_f32(const float *x, const float *wp, const float *bias, float *y, 
 void kvs_rope_write_kv_f32(float *qkv, int64_t tokens, int64_t row, int64_t num_heads, int64_t num_kv_heads,
                            int64_t d, const float *cos, const float *ssin, float *k_cache, float *v_cache,
                            const int64_t *slots);
+int kvs_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                          const int64_t *tables, int64_t width, const int64_t *starts, const int64_t *counts,
+                          const int64_t *ctxs, int64_t num_prefills, float *out, int64_t out_stride, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t d, int64_t bs, float scale);
 void kvs_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                           const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
                           int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width,
@@ -79,6 +86,10 @@ typedef struct {
     const float *kv_table;     /* codes: each code's value; int4: each step code's step */
     int64_t kv_extra, kv_group; /* int4: scale bytes a row, channels a value scale */
     float kv_max_code;         /* codes: the value a row's largest magnitude maps to */
+    int64_t num_decodes;       /* the first rows, one token each (block_tables, seq_lens: [num_decodes]) */
+    int64_t num_prefills;      /* float32, kv_kind 0: chunks in the rows after the decodes */
+    const int64_t *pf_tables, *pf_starts, *pf_counts, *pf_ctxs; /* csrc/prefill_attention.c's arrays */
+    int64_t pf_width;
 } DecodeStep;
 
 enum { KV_PLAIN = 0, KV_INT4 = 4 };
@@ -105,15 +116,23 @@ static int quantized_attention(const DecodeStep *s, uint8_t *k_cache, uint8_t *v
     return 0;
 }
 
-/* Returns 0, or -1 when a quantized write found no memory (the layer stops there). */
+/* Returns 0; -1 when a quantized write found no memory, -2 when the prefill kernel does not take
+ * the shapes (the layer stops there; the caller checks both beforehand). */
 int kvs_layer_f32(const LayerWeights *w, const DecodeStep *s, void *k_cache, void *v_cache) {
     int64_t t = s->tokens, h = s->hidden;
     kvs_gemm_f32(s->x, w->qkv, w->qkv_bias, s->qkv, t, s->qkv_n, h);
     if (s->kv_kind == KV_PLAIN) {
         kvs_rope_write_kv_f32(s->qkv, t, s->qkv_n, s->num_heads, s->num_kv_heads, s->head_dim, s->cos, s->ssin,
                               k_cache, v_cache, s->slots);
-        kvs_paged_decode_f32(s->qkv, s->qkv_n, k_cache, v_cache, s->block_tables, s->seq_lens, s->attn, t,
-                             s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, s->table_width, s->scale);
+        if (s->num_decodes)
+            kvs_paged_decode_f32(s->qkv, s->qkv_n, k_cache, v_cache, s->block_tables, s->seq_lens, s->attn,
+                                 s->num_decodes, s->num_heads, s->num_kv_heads, s->head_dim, s->block_size,
+                                 s->table_width, s->scale);
+        if (s->num_prefills &&
+            kvs_paged_prefill_f32(s->qkv, s->qkv_n, k_cache, v_cache, s->pf_tables, s->pf_width, s->pf_starts,
+                                  s->pf_counts, s->pf_ctxs, s->num_prefills, s->attn, s->num_heads * s->head_dim,
+                                  s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, s->scale))
+            return -2;
     } else if (quantized_attention(s, k_cache, v_cache)) {
         return -1;
     }

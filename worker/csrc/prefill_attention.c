@@ -118,11 +118,16 @@ static inline __attribute__((always_inline)) void prefill_tile(
     }
 }
 
+/* Whether paged_prefill takes these shapes: head size 64 or 128, blocks a whole number of key chunks. */
+int kvs_paged_prefill_takes(int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs) {
+    return (d == 64 || d == 128) && bs % KC == 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0;
+}
+
 static int paged_prefill(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          const int64_t *tables, int64_t width, const int64_t *starts, const int64_t *counts,
                          const int64_t *ctxs, int64_t num_prefills, float *out, int64_t out_stride, int64_t num_heads,
                          int64_t num_kv_heads, int64_t d, int64_t bs, float scale, const RowFormat *f) {
-    if ((d != 64 && d != 128) || bs % KC != 0 || num_heads % num_kv_heads != 0) return -1;
+    if (!kvs_paged_prefill_takes(num_heads, num_kv_heads, d, bs)) return -1;
     int64_t group = num_heads / num_kv_heads, num_tiles = 0;
     for (int64_t i = 0; i < num_prefills; i++) num_tiles += num_kv_heads * ((counts[i] * group + VW - 1) / VW);
     Tile *tiles = malloc((size_t)(num_tiles > 0 ? num_tiles : 1) * sizeof(Tile));
