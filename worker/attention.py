@@ -85,8 +85,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _prefill_in_c(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float, out: torch.Tensor) -> bool:
-    """The prefill chunks through the C kernel, when the pool holds float32 rows, or quantized rows
-    the decode kernel reads too (one-byte codes, int4), in a shape it takes."""
+    """The prefill chunks through the C kernel, when the pool holds float32 rows, bf16 rows of a
+    bf16 model, or quantized rows the decode kernel reads too (one-byte codes, int4), in a shape it
+    takes. bf16 queries are widened for it, and its float32 outputs rounded back, as the decode
+    kernel's are."""
     fmt = meta.kv_format
     if meta.cpu_kernels is None or (fmt is not None and not fmt.is_plain and fmt.code_table is None):
         return False
@@ -94,7 +96,16 @@ def _prefill_in_c(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         meta.prefill_arrays = prefill_arrays(meta.prefills)
     table = None if fmt is None or fmt.is_plain else fmt.code_table
     group = None if table is None else fmt.int4_value_group
-    return meta.cpu_kernels.paged_prefill(q, k_cache, v_cache, out, meta.prefill_arrays, scale, table, group)
+    if q.dtype != torch.bfloat16:
+        return meta.cpu_kernels.paged_prefill(q, k_cache, v_cache, out, meta.prefill_arrays, scale, table, group)
+    if k_cache.dtype != torch.bfloat16:
+        return False
+    wide = torch.empty(q.shape, dtype=torch.float32)
+    if not meta.cpu_kernels.paged_prefill(q.float(), k_cache, v_cache, wide, meta.prefill_arrays, scale):
+        return False
+    first = meta.num_decodes  # the prefill rows follow the decodes
+    out[first:] = wide[first:].to(torch.bfloat16)
+    return True
 
 
 def prefill_arrays(chunks: list[PrefillChunk]) -> PrefillArrays:

@@ -83,7 +83,7 @@ class CpuKernels:
         # LayerWeights and DecodeStep structs, then the layer's K and V caches
         lib.kvs_layer_f32.argtypes = lib.kvs_layer_bf16.argtypes = [ctypes.c_void_p] * 4
         lib.kvs_layer_f32.restype = ctypes.c_int
-        lib.kvs_layer_bf16.restype = None
+        lib.kvs_layer_bf16.restype = ctypes.c_int
         self.layer_f32, self.layer_bf16 = lib.kvs_layer_f32, lib.kvs_layer_bf16
         lib.kvs_paged_prefill_takes.argtypes = [ctypes.c_int64] * 4
         lib.kvs_paged_prefill_takes.restype = ctypes.c_int
@@ -91,6 +91,8 @@ class CpuKernels:
                                               + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
                                               + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float])
         lib.kvs_paged_prefill_f32.restype = ctypes.c_int
+        lib.kvs_paged_prefill_bf16.argtypes = lib.kvs_paged_prefill_f32.argtypes
+        lib.kvs_paged_prefill_bf16.restype = ctypes.c_int
         lib.kvs_paged_prefill_quantized.argtypes = lib.kvs_paged_prefill_f32.argtypes + [ctypes.c_void_p,
                                                                                            ctypes.c_int64,
                                                                                            ctypes.c_int64]
@@ -201,8 +203,9 @@ class CpuKernels:
     def paged_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                       prefills: PrefillArrays, scale: float, code_table: torch.Tensor | None = None,
                       int4_value_group: int | None = None) -> bool:
-        """Causal attention of prefill chunks (csrc/prefill_attention.c): K/V float32 read in place, or
-        quantized rows (uint8, with code_table and for int4 int4_value_group, as paged_decode takes them).
+        """Causal attention of prefill chunks (csrc/prefill_attention.c): K/V float32 read in place, bf16
+        rows widened, or quantized rows (uint8, with code_table and for int4 int4_value_group, as
+        paged_decode takes them).
 
         q: [T, H, D] float32 with dense heads (a view into the fused projection is fine); out: a
         dense [T, H, D] float32 whose prefill rows are written. False, with nothing written, when
@@ -210,7 +213,8 @@ class CpuKernels:
         _, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         quantized = k_cache.dtype == torch.uint8 and v_cache.dtype == torch.uint8 and code_table is not None
-        if ((k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32) and not quantized
+        bf16 = k_cache.dtype == torch.bfloat16 and v_cache.dtype == torch.bfloat16
+        if ((k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32) and not quantized and not bf16
                 or q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous()
                 or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
             return False
@@ -218,6 +222,8 @@ class CpuKernels:
         args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), p.tables.data_ptr(),
                 p.tables.shape[1], p.starts.data_ptr(), p.counts.data_ptr(), p.ctxs.data_ptr(), p.starts.numel(),
                 out.data_ptr(), out.stride(0), num_heads, num_kv_heads, head_dim, block_size, scale)
+        if bf16:
+            return self._lib.kvs_paged_prefill_bf16(*args) == 0
         if not quantized:
             return self._lib.kvs_paged_prefill_f32(*args) == 0
         extra = _quantized_row_extra(k_cache, head_dim, code_table, int4_value_group)

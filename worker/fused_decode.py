@@ -1,6 +1,6 @@
-"""Decode steps on CPU, a layer in one C call (csrc/layer.c): in float32, with the prefill chunks
-that share the step (K/V rows of floats), and, while the step's rows go to the packed GEMM (up to 8,
-or 64), decode-only steps in bf16.
+"""Decode steps on CPU, a layer in one C call (csrc/layer.c), with the prefill chunks that share the
+step where K/V rows are of the model's dtype: float32, and bf16 while the step's rows go to the
+packed GEMM (up to 8, or 64).
 
 A step's layer is otherwise about ten Python-level calls (projections, RoPE and K/V write,
 attention, norms), each with its checks and its ctypes or torch dispatch: about 30-40 us a layer,
@@ -107,7 +107,7 @@ class FusedDecode:
 
     def takes(self, meta: AttentionMetadata, num_tokens: int, block_size: int | None = None) -> bool:
         """A step whose attention runs in the C kernels, with nobody watching the scores: decodes only,
-        or in float32 with prefill chunks over K/V rows of floats in blocks of `block_size` that the
+        or with prefill chunks over K/V rows of floats or bf16, in blocks of `block_size` that the
         prefill kernel takes (and, in bf16, few enough rows for the packed GEMM)."""
         if (meta.cpu_kernels is None or meta.attention_observer is not None
                 or (meta.num_decodes and meta.decode_block_tables is None)
@@ -115,7 +115,7 @@ class FusedDecode:
             return False
         if not meta.prefills:
             return meta.num_decodes == num_tokens
-        return (self.dtype == torch.float32 and (meta.kv_format is None or meta.kv_format.is_plain)
+        return ((meta.kv_format is None or meta.kv_format.is_plain)
                 and block_size is not None and self._prefill_takes(block_size))
 
     def _prefill_takes(self, block_size: int) -> bool:
@@ -170,14 +170,10 @@ class FusedDecode:
         sp = ctypes.byref(step)
         base, elt = kv_cache.data_ptr(), kv_cache.element_size()
         layer_bytes, kv_bytes = kv_cache.stride(0) * elt, kv_cache.stride(1) * elt
-        if bf16:
-            for i, ref in enumerate(self._refs):
-                k_ptr = base + i * layer_bytes
-                self._layer_bf16(ref, sp, k_ptr, k_ptr + kv_bytes)
-            return
+        layer = self._layer_bf16 if bf16 else self._layer_f32
         for i, ref in enumerate(self._refs):
             k_ptr = base + i * layer_bytes
-            rc = self._layer_f32(ref, sp, k_ptr, k_ptr + kv_bytes)
+            rc = layer(ref, sp, k_ptr, k_ptr + kv_bytes)
             if rc == -1:
                 raise MemoryError("fused decode: no memory for the int4 K/V write's scratch")
             if rc:  # takes() checked the shapes

@@ -1,4 +1,4 @@
-/* A step's layer in one call, packed weights: its decodes, and in float32 with K/V rows of floats
+/* A step's layer in one call, packed weights: its decodes, and with K/V rows of the model's dtype
  * also the prefill chunks after them. float32 (kvs_layer_f32):
  *
  *   qkv = x Wqkv^T (+ b); RoPE and the K/V write; attention (the decode rows, then the prefill
@@ -9,7 +9,7 @@
  *
  * bf16 (kvs_layer_bf16): the same stages with csrc/bf16_ops.c's rounding; the GEMM and attention
  * read float32, so their inputs are widened into `wide_in` and their outputs, in `wide_out`,
- * rounded back, as CpuKernels.gemm and paged_decode do from Python.
+ * rounded back, as CpuKernels.gemm and paged_decode (and attention.py for prefills) do from Python.
  *
  * float32 also takes quantized K/V (kv_kind): rows of one-byte codes with a scale (int8, fp8) or int4,
  * rotated in place, written by csrc/kv_write.c and read by the decode kernel's row formats (decodes
@@ -58,6 +58,10 @@ void kvs_gemm_bf16(const float *x, const uint16_t *wp, const float *bias, float 
 void kvs_rope_write_kv_bf16(uint16_t *qkv, int64_t tokens, int64_t row, int64_t num_heads, int64_t num_kv_heads,
                             int64_t d, const uint16_t *cos, const uint16_t *ssin, uint16_t *k_cache,
                             uint16_t *v_cache, const int64_t *slots);
+int kvs_paged_prefill_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                           const int64_t *tables, int64_t width, const int64_t *starts, const int64_t *counts,
+                           const int64_t *ctxs, int64_t num_prefills, float *out, int64_t out_stride,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, float scale);
 void kvs_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
                            int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width,
@@ -87,7 +91,7 @@ typedef struct {
     int64_t kv_extra, kv_group; /* int4: scale bytes a row, channels a value scale */
     float kv_max_code;         /* codes: the value a row's largest magnitude maps to */
     int64_t num_decodes;       /* the first rows, one token each (block_tables, seq_lens: [num_decodes]) */
-    int64_t num_prefills;      /* float32, kv_kind 0: chunks in the rows after the decodes */
+    int64_t num_prefills;      /* kv_kind 0: chunks in the rows after the decodes */
     const int64_t *pf_tables, *pf_starts, *pf_counts, *pf_ctxs; /* csrc/prefill_attention.c's arrays */
     int64_t pf_width;
 } DecodeStep;
@@ -175,14 +179,22 @@ static void gemm_bf16_rows(const DecodeStep *s, const uint16_t *x, const void *w
     kvs_narrow_bf16(s->wide_out, y, s->tokens * n);
 }
 
-void kvs_layer_bf16(const LayerWeights *w, const DecodeStep *s, uint16_t *k_cache, uint16_t *v_cache) {
+/* Returns 0, or -2 when the prefill kernel does not take the shapes (the caller checks beforehand). */
+int kvs_layer_bf16(const LayerWeights *w, const DecodeStep *s, uint16_t *k_cache, uint16_t *v_cache) {
     int64_t t = s->tokens, h = s->hidden, q_size = s->num_heads * s->head_dim;
     gemm_bf16_rows(s, s->x, w->qkv, w->qkv_bias, s->qkv, s->qkv_n, h);
     kvs_rope_write_kv_bf16(s->qkv, t, s->qkv_n, s->num_heads, s->num_kv_heads, s->head_dim, s->cos, s->ssin, k_cache,
                            v_cache, s->slots);
     kvs_widen_bf16(s->qkv, s->qkv_n, s->wide_in, t, q_size);
-    kvs_paged_decode_bf16(s->wide_in, q_size, k_cache, v_cache, s->block_tables, s->seq_lens, s->wide_out, t,
-                          s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, s->table_width, s->scale);
+    if (s->num_decodes)
+        kvs_paged_decode_bf16(s->wide_in, q_size, k_cache, v_cache, s->block_tables, s->seq_lens, s->wide_out,
+                              s->num_decodes, s->num_heads, s->num_kv_heads, s->head_dim, s->block_size,
+                              s->table_width, s->scale);
+    if (s->num_prefills &&
+        kvs_paged_prefill_bf16(s->wide_in, q_size, k_cache, v_cache, s->pf_tables, s->pf_width, s->pf_starts,
+                               s->pf_counts, s->pf_ctxs, s->num_prefills, s->wide_out, q_size, s->num_heads,
+                               s->num_kv_heads, s->head_dim, s->block_size, s->scale))
+        return -2;
     kvs_narrow_bf16(s->wide_out, s->attn, t * q_size);
     gemm_bf16_rows(s, s->attn, w->o_proj, NULL, s->o, h, q_size);
     kvs_add_rms_norm_bf16(s->o, s->residual, w->post_norm, s->x, t, h, s->eps);
@@ -190,4 +202,5 @@ void kvs_layer_bf16(const LayerWeights *w, const DecodeStep *s, uint16_t *k_cach
     kvs_silu_mul_bf16(s->gate_up, s->act, t, s->inter);
     gemm_bf16_rows(s, s->act, w->down, NULL, s->o, h, s->inter);
     kvs_add_rms_norm_bf16(s->o, s->residual, w->next_norm, s->x, t, h, s->eps); /* no next norm: the add alone */
+    return 0;
 }

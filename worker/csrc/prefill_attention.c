@@ -1,6 +1,6 @@
 /* Paged prefill attention for CPU, K/V rows read from the block pool (causal, after a cached
- * prefix, grouped-query): float32 rows in place, or quantized rows (kv_rows.h: one-byte codes with
- * a scale, int4) decoded a chunk of keys at a time.
+ * prefix, grouped-query): float32 rows in place, or bf16 rows widened and quantized rows (kv_rows.h:
+ * one-byte codes with a scale, int4) decoded a chunk of keys at a time.
  *
  * A prefill's rows are its (token, query head) pairs; those of one KV head are taken VW at a time,
  * one row per vector lane. With the rows in lanes, every step is vertical:
@@ -162,6 +162,16 @@ int kvs_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache
                           const int64_t *ctxs, int64_t num_prefills, float *out, int64_t out_stride, int64_t num_heads,
                           int64_t num_kv_heads, int64_t d, int64_t bs, float scale) {
     RowFormat f = {ROW_F32, NULL, 0, 0, CODES_TABLE};
+    return paged_prefill(q, q_stride, k_cache, v_cache, tables, width, starts, counts, ctxs, num_prefills, out,
+                         out_stride, num_heads, num_kv_heads, d, bs, scale, &f);
+}
+
+/* bf16 rows, widened as they are read; q and out float32 as above. */
+int kvs_paged_prefill_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                           const int64_t *tables, int64_t width, const int64_t *starts, const int64_t *counts,
+                           const int64_t *ctxs, int64_t num_prefills, float *out, int64_t out_stride,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, float scale) {
+    RowFormat f = {ROW_BF16, NULL, 0, 0, CODES_TABLE};
     return paged_prefill(q, q_stride, k_cache, v_cache, tables, width, starts, counts, ctxs, num_prefills, out,
                          out_stride, num_heads, num_kv_heads, d, bs, scale, &f);
 }
