@@ -92,20 +92,26 @@ def _prefill_in_c(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     fmt = meta.kv_format
     if meta.cpu_kernels is None or (fmt is not None and not fmt.is_plain and fmt.code_table is None):
         return False
-    if meta.prefill_arrays is None:
-        meta.prefill_arrays = prefill_arrays(meta.prefills)
+    arrays = step_prefill_arrays(meta)
     table = None if fmt is None or fmt.is_plain else fmt.code_table
     group = None if table is None else fmt.int4_value_group
     if q.dtype != torch.bfloat16:
-        return meta.cpu_kernels.paged_prefill(q, k_cache, v_cache, out, meta.prefill_arrays, scale, table, group)
+        return meta.cpu_kernels.paged_prefill(q, k_cache, v_cache, out, arrays, scale, table, group)
     if k_cache.dtype != torch.bfloat16:
         return False
     wide = torch.empty(q.shape, dtype=torch.float32)
-    if not meta.cpu_kernels.paged_prefill(q.float(), k_cache, v_cache, wide, meta.prefill_arrays, scale):
+    if not meta.cpu_kernels.paged_prefill(q.float(), k_cache, v_cache, wide, arrays, scale):
         return False
     first = meta.num_decodes  # the prefill rows follow the decodes
     out[first:] = wide[first:].to(torch.bfloat16)
     return True
+
+
+def step_prefill_arrays(meta: AttentionMetadata) -> PrefillArrays:
+    """The step's prefill chunks for the C kernel, built at the first layer that asks."""
+    if meta.prefill_arrays is None:
+        meta.prefill_arrays = prefill_arrays(meta.prefills)
+    return meta.prefill_arrays
 
 
 def prefill_arrays(chunks: list[PrefillChunk]) -> PrefillArrays:

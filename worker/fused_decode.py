@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstrata.worker.attention import prefill_arrays
+from kvstrata.worker.attention import step_prefill_arrays
 from kvstrata.worker.cpu_kernels import CpuKernels, PackedWeight
 from kvstrata.worker.kv_format import Int4Format, KVFormat, ScaledRowFormat
 
@@ -153,9 +153,7 @@ class FusedDecode:
                            None if wide_out is None else wide_out.data_ptr())
         step.num_decodes = meta.num_decodes
         if meta.prefills:
-            if meta.prefill_arrays is None:
-                meta.prefill_arrays = prefill_arrays(meta.prefills)
-            p = meta.prefill_arrays
+            p = step_prefill_arrays(meta)
             step.num_prefills, step.pf_width = len(meta.prefills), p.tables.shape[1]
             step.pf_tables, step.pf_starts = p.tables.data_ptr(), p.starts.data_ptr()
             step.pf_counts, step.pf_ctxs = p.counts.data_ptr(), p.ctxs.data_ptr()

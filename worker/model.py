@@ -117,7 +117,7 @@ class LlamaModel:
         self.kv_size = self.num_kv_heads * c.head_dim
         from kvstrata.worker.fused_decode import FusedDecode
 
-        self.fused_decode = FusedDecode.build(self)  # decode steps (and float32 prefills), one C call a layer
+        self.fused_decode = FusedDecode.build(self)  # steps, with their prefill chunks, one C call a layer
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
