@@ -181,6 +181,24 @@ def _decode_meta(rows: int):
                            decode_block_tables=object())
 
 
+def test_fused_layers_take_prefill_chunks_only_in_shapes_the_prefill_kernel_takes(llm):
+    """A step with prefill chunks runs fused only over K/V rows of floats in blocks the C prefill
+    kernel takes (a multiple of its 16- or 8-key chunk), and with nobody watching the scores."""
+    from types import SimpleNamespace
+
+    fused = llm.engine.runner.model.fused_decode
+    if fused is None:
+        pytest.skip("needs the CPU kernels and packed weights")
+    meta = _decode_meta(2)
+    meta.prefills, meta.kv_format = [object()], None
+    assert fused.takes(meta, 10, 16) and fused.takes(meta, 10, 32)
+    assert not fused.takes(meta, 10, 12) and not fused.takes(meta, 10, None)
+    meta.attention_observer = object()
+    assert not fused.takes(meta, 10, 16)
+    meta.attention_observer, meta.kv_format = None, SimpleNamespace(is_plain=False)
+    assert not fused.takes(meta, 10, 16)  # quantized rows: prefills run call by call
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2", "int4"])
 def test_fused_decode_layers_write_and_read_quantized_kv_with_the_same_bits(prompt_ids, kv_dtype):
     """float32 layers run fused over quantized pools too: RoPE in place, then the rows written by
