@@ -66,19 +66,25 @@ def test_chunked_prefill_matches_hf(prompt_ids, reference):
     small.check_integrity()
 
 
-def test_bfloat16_engine_stays_close_to_float32(llm, prompt_ids, reference):
-    """bf16 is an option, not lossless: its greedy output should agree with fp32 on most tokens."""
+def test_bfloat16_engine_stays_close_to_float32(prompt_ids, reference):
+    """bf16 is an option, not lossless: at each position of the float32 greedy answers, bf16's own
+    greedy choice should agree almost everywhere. Teacher-forced (each position from float32's
+    prefix), because bf16's logits are coarse: the France answer's first token is within one bf16
+    step of a second choice, so a free-running answer goes elsewhere on some builds (an AVX2 one)
+    from a rounding difference in attention, which would say nothing about the other positions."""
     import torch
 
     from kvstrata import LLM
 
-    bf16 = LLM("smollm2-135m", num_gpu_blocks=64, dtype="bfloat16")
+    bf16 = LLM("smollm2-135m", num_gpu_blocks=96, dtype="bfloat16")
     assert bf16.engine.runner.kv_cache.dtype == torch.bfloat16
-    out = bf16.generate([prompt_ids[0]], _greedy())[0].outputs[0]
-    ref = _trim_at_eos(reference[0])
-    agree = sum(a == b for a, b in zip(out.token_ids, ref))
-    assert agree >= len(ref) // 2, (out.token_ids, ref)
-    assert "Paris" in out.text
+    agree = positions = 0
+    for ids, ref in zip(prompt_ids, reference):
+        ref = _trim_at_eos(ref)
+        outs = bf16.generate([ids + ref[:j] for j in range(len(ref))], _greedy(1))
+        agree += sum(out.outputs[0].token_ids[0] == ref[j] for j, out in enumerate(outs))
+        positions += len(ref)
+    assert positions >= 40 and agree >= 0.9 * positions, (agree, positions)
     bf16.check_integrity()
 
 
@@ -168,7 +174,8 @@ def test_fused_bf16_decode_layers_give_the_same_bits_as_the_call_by_call_path(pr
     if fused.max_tokens is not None:
         most = fused.max_tokens
         assert not fused.takes(_decode_meta(most + 1), most + 1) and fused.takes(_decode_meta(most), most)
-    calls = _fused_matches_call_by_call(bf16, prompt_ids, chunk=8)
+    # chunks of 2 tokens: a decode beside two prompts' chunks stays within 8 rows
+    calls = _fused_matches_call_by_call(bf16, prompt_ids, chunk=2)
     assert any(decodes and prefills for decodes, prefills in calls)  # prefill chunks beside decodes too
     bf16.check_integrity()
 
