@@ -317,9 +317,9 @@ def test_c_prefill_attention_reads_bf16_rows_like_the_float32_path(h, h_kv, d):
     k_float, v_float, chunks, q_float = _prefill_case(h, h_kv, d, 16, PREFILL_SPECS, gen)
     k_cache, v_cache, q = k_float.bfloat16(), v_float.bfloat16(), q_float.bfloat16()
     decodes = 2
-    chunks = [PrefillChunk(c.token_start + decodes, c.num_tokens, c.context_len, c.block_ids) for c in chunks]
+    shifted = [PrefillChunk(c.token_start + decodes, c.num_tokens, c.context_len, c.block_ids) for c in chunks]
     q = torch.cat([torch.randn(decodes, h, d, generator=gen).bfloat16(), q])
-    meta = _prefill_meta(chunks, KERNELS)
+    meta = _prefill_meta(shifted, KERNELS)
     meta.slot_mapping = torch.zeros(q.shape[0], dtype=torch.long)
     out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)
     from kvstrata.worker.attention import _prefill_in_c
@@ -327,14 +327,11 @@ def test_c_prefill_attention_reads_bf16_rows_like_the_float32_path(h, h_kv, d):
     meta.num_decodes = decodes
     assert _prefill_in_c(q, k_cache, v_cache, meta, d ** -0.5, out)
     assert (out[:decodes] == 7.0).all()  # not its rows
-    want = paged_attention(q[decodes:].float(), k_cache.float(), v_cache.float(),
-                           _prefill_meta([PrefillChunk(c.token_start - decodes, c.num_tokens, c.context_len,
-                                                       c.block_ids) for c in chunks], KERNELS), d ** -0.5)
+    want = paged_attention(q[decodes:].float(), k_cache.float(), v_cache.float(), _prefill_meta(chunks, KERNELS),
+                           d ** -0.5)
     assert torch.equal(out[decodes:], want.bfloat16())
     # and against torch's bf16 path, which rounds differently: close
-    reference = paged_attention(q[decodes:], k_cache, v_cache, _prefill_meta(
-        [PrefillChunk(c.token_start - decodes, c.num_tokens, c.context_len, c.block_ids) for c in chunks], None),
-        d ** -0.5)
+    reference = paged_attention(q[decodes:], k_cache, v_cache, _prefill_meta(chunks, None), d ** -0.5)
     torch.testing.assert_close(out[decodes:].float(), reference.float(), rtol=2e-2, atol=2e-2)
 
 
