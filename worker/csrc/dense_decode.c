@@ -75,33 +75,34 @@ static inline __attribute__((always_inline)) void key_dots(const float *q, const
     UNROLL for (int g = 0; g < NQ; g++) out[g * VW] = t[g];
 }
 
-/* Scores of one block's n tokens for the queries qs [H][d] (pre-scaled) into s[qi * ct + j]; lanes
- * past n hold -1e30 (e^-87 after the softmax, never read by the values). part: [H][VW] vectors;
- * buf [d] and kp [Hkv][2d]: room to decode coded rows and int4 key blocks' parameters. pf_k, pf_v:
- * the next block's keys (NULL at the task's last block) and this block's values, prefetched a
- * token row per token. */
+/* Scores of one block's n tokens for the queries of KV heads h0 .. h1 - 1 (qs [H][d], pre-scaled)
+ * into s[qi * ct + j]; lanes past n hold -1e30 (e^-87 after the softmax, never read by the values).
+ * part: [H][VW] vectors; buf [d] and kp [Hkv][2d]: room to decode coded rows and int4 key blocks'
+ * parameters. pf_k, pf_v: the next block's keys (NULL at the task's last block) and this block's
+ * values, those heads' part of a token row prefetched per token. */
 static inline __attribute__((always_inline)) void score_block(
-    const float *qs, const void *k_cache, int64_t block, int64_t bs, int64_t num_kv_heads, int64_t group,
-    const RowFormat *f, const int DV, int64_t n, float *s, int64_t ct, vf *part, float *buf, float *kp,
-    const char *pf_k, const char *pf_v) {
+    const float *qs, const void *k_cache, int64_t block, int64_t bs, int64_t num_kv_heads, int64_t h0, int64_t h1,
+    int64_t group, const RowFormat *f, const int DV, int64_t n, float *s, int64_t ct, vf *part, float *buf,
+    float *kp, const char *pf_k, const char *pf_v) {
     const int64_t d = VW * DV;
-    int64_t nq = num_kv_heads * group, row_bytes = num_kv_heads * head_row_bytes(f, d);
+    int64_t head_bytes = head_row_bytes(f, d), row_bytes = num_kv_heads * head_bytes;
+    int64_t pf_from = h0 * head_bytes, pf_to = h1 * head_bytes;
     if (f->kind == ROW_INT4)
-        for (int64_t h = 0; h < num_kv_heads; h++)
+        for (int64_t h = h0; h < h1; h++)
             int4_key_params(k_cache, block, bs, num_kv_heads, h, d, f, kp + h * 2 * d);
     for (int64_t j0 = 0; j0 < n; j0 += VW) {
         int64_t nj = n - j0 < VW ? n - j0 : VW;
         for (int64_t j = 0; j < VW; j++) {
             if (j >= nj) {
-                for (int64_t qi = 0; qi < nq; qi++) part[qi * VW + j] = (vf){0};
+                for (int64_t qi = h0 * group; qi < h1 * group; qi++) part[qi * VW + j] = (vf){0};
                 continue;
             }
             /* the key row's lines first, then the value row's: interleaving them, one loop for
              * both, was 1.1-1.2x slower in fp32 */
             if (pf_k)
-                for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(pf_k + (j0 + j) * row_bytes + b, 0, 1);
-            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(pf_v + (j0 + j) * row_bytes + b, 0, 1);
-            for (int64_t h = 0; h < num_kv_heads; h++) {
+                for (int64_t b = pf_from; b < pf_to; b += 64) __builtin_prefetch(pf_k + (j0 + j) * row_bytes + b, 0, 1);
+            for (int64_t b = pf_from; b < pf_to; b += 64) __builtin_prefetch(pf_v + (j0 + j) * row_bytes + b, 0, 1);
+            for (int64_t h = h0; h < h1; h++) {
                 vf k[MAX_DV];
                 row_vectors(k_cache, (block * bs + j0 + j) * num_kv_heads + h, f, DV,
                             f->kind == ROW_INT4 ? kp + h * 2 * d : NULL, buf, k);
@@ -117,7 +118,7 @@ static inline __attribute__((always_inline)) void score_block(
             }
         }
         vi live = lane_ids < (int32_t)nj;
-        for (int64_t qi = 0; qi < nq; qi++) {
+        for (int64_t qi = h0 * group; qi < h1 * group; qi++) {
             vf sc = selectv(live, transpose_sumv(part + qi * VW), (vf){0} - 1e30f);
             memcpy(s + qi * ct + j0, &sc, sizeof sc);
         }
@@ -220,11 +221,11 @@ static inline __attribute__((always_inline)) void value_head(const float *p, con
     }
 }
 
-/* state = state (+) other: both move to the larger maximum, then add. */
-static void combine(float *state, const float *other, int64_t num_heads, int64_t d) {
+/* state = state (+) other for queries q0 .. q1 - 1: both move to the larger maximum, then add. */
+static void combine(float *state, const float *other, int64_t num_heads, int64_t d, int64_t q0, int64_t q1) {
     float *acc = state, *m = acc + num_heads * d, *l = m + num_heads;
     const float *oacc = other, *om = oacc + num_heads * d, *ol = om + num_heads;
-    for (int64_t i = 0; i < num_heads; i++) {
+    for (int64_t i = q0; i < q1; i++) {
         float mx = m[i] > om[i] ? m[i] : om[i];
         float a = expv((vf){0} + (m[i] - mx))[0], b = expv((vf){0} + (om[i] - mx))[0];
         for (int64_t c = 0; c < d; c++) acc[i * d + c] = acc[i * d + c] * a + oacc[i * d + c] * b;
@@ -285,42 +286,50 @@ static inline int64_t partial_floats(int64_t num_heads, int64_t d) { return num_
 
 /* Chunks c0 .. c1 - 1 of one sequence (q [H][d] its queries), each from scratch: its keys scored,
  * one softmax, its values; each chunk's partial is combined into `state` in order (the first one
- * is copied). Prefetches run on across the task's chunks. */
+ * is copied). Only the queries of KV heads h0 .. h1 - 1 are computed, and only their parts of
+ * `state` written: each query's sums are its own, so a head's bits do not depend on the range.
+ * Prefetches run on across the task's chunks. */
 static inline __attribute__((always_inline)) void decode_chunks(
     const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, int64_t c0,
     int64_t c1, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, float scale, const RowFormat *format,
-    float *state, float *work, const int64_t *nx_table, int64_t nx_ctx, int64_t nx_c, const int KIND) {
-    /* the row kind a constant where the caller knows it (see chunks_of) */
+    int64_t h0, int64_t h1, float *state, float *work, const int64_t *nx_table, int64_t nx_ctx, int64_t nx_c,
+    const int KIND, const int ALL_HEADS) {
+    /* the row kind a constant where the caller knows it, and whether all heads are (see chunks_of) */
+    if (ALL_HEADS) {
+        h0 = 0;
+        h1 = num_kv_heads;
+    }
     const RowFormat fk = {KIND >= 0 ? KIND : format->kind, format->lut, format->extra, format->v_group, format->codes};
     const RowFormat *f = &fk;
     int64_t group = num_heads / num_kv_heads, ct = chunk_tokens(num_heads, bs), per_chunk = ct / bs;
+    int64_t q0 = h0 * group, q1 = h1 * group, heads = h1 - h0;
     int64_t stride = ct + VW; /* a query's scores: a chunk, and room for the last tile's lanes */
     vf *part = (vf *)work;    /* [H][VW], 64-byte aligned */
     float *qs = (float *)(part + num_heads * VW), *mine = qs + num_heads * d, *s = mine + partial_floats(num_heads, d);
     float *buf = s + num_heads * stride, *kp = buf + d; /* [d], [Hkv][2d] */
-    for (int64_t i = 0; i < num_heads * d; i++) qs[i] = q[i] * scale;
+    for (int64_t i = q0 * d; i < q1 * d; i++) qs[i] = q[i] * scale;
     int64_t num_blocks = (ctx + bs - 1) / bs, row_bytes = num_kv_heads * head_row_bytes(f, d);
     int64_t last_block = c1 * per_chunk < num_blocks ? c1 * per_chunk : num_blocks;
     for (int64_t c = c0; c < c1; c++) {
         int64_t ib0 = c * per_chunk, ib1 = ib0 + per_chunk < num_blocks ? ib0 + per_chunk : num_blocks;
         float *acc = c == c0 ? state : mine, *m = acc + num_heads * d, *l = m + num_heads;
-        memset(acc, 0, (size_t)(num_heads * d) * sizeof *acc);
+        memset(acc + q0 * d, 0, (size_t)((q1 - q0) * d) * sizeof *acc);
         for (int64_t ib = ib0; ib < ib1; ib++) {
             int64_t block = table[ib], n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
             const char *pf_k = ib + 1 < last_block ? (const char *)k_cache + table[ib + 1] * bs * row_bytes : NULL;
             const char *pf_v = (const char *)v_cache + block * bs * row_bytes;
             float *sb = s + (ib - ib0) * bs;
             if (d == 64)
-                score_block(qs, k_cache, block, bs, num_kv_heads, group, f, 64 / VW, n, sb, stride, part, buf, kp,
-                            pf_k, pf_v);
+                score_block(qs, k_cache, block, bs, num_kv_heads, h0, h1, group, f, 64 / VW, n, sb, stride, part, buf,
+                            kp, pf_k, pf_v);
             else
-                score_block(qs, k_cache, block, bs, num_kv_heads, group, f, 128 / VW, n, sb, stride, part, buf, kp,
-                            pf_k, pf_v);
+                score_block(qs, k_cache, block, bs, num_kv_heads, h0, h1, group, f, 128 / VW, n, sb, stride, part, buf,
+                            kp, pf_k, pf_v);
         }
         int64_t t = (ctx < ib1 * bs ? ctx : ib1 * bs) - ib0 * bs;
         /* the softmax reads whole vectors: with blocks that are not a multiple of VW tokens the last
          * block's tiles can end short of them, and what lies there is an earlier call's */
-        for (int64_t i = 0; i < num_heads; i++) {
+        for (int64_t i = q0; i < q1; i++) {
             for (int64_t p = t; p < (t + VW - 1) / VW * VW; p++) s[i * stride + p] = -1e30f;
             l[i] = softmax_chunk(s + i * stride, t, m + i);
         }
@@ -329,38 +338,44 @@ static inline __attribute__((always_inline)) void decode_chunks(
         else ahead_init(&ahead, k_cache, nx_table, nx_ctx, nx_c, per_chunk, bs, row_bytes);
         int64_t ahead_bytes = ahead.table ? (ahead.ib1 - ahead.ib) * ahead.block_bytes : 0;
         ahead_bytes = ahead_bytes < AHEAD_MAX ? ahead_bytes : AHEAD_MAX;
-        int64_t share = (ahead_bytes + (ib1 - ib0) * num_kv_heads - 1) / ((ib1 - ib0) * num_kv_heads);
+        int64_t share = (ahead_bytes + (ib1 - ib0) * heads - 1) / ((ib1 - ib0) * heads);
         share = (share + 63) / 64 * 64;
         for (int64_t ib = ib0; ib < ib1; ib++) {
             int64_t block = table[ib], n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
-            for (int64_t h = 0; h < num_kv_heads; h++) {
+            for (int64_t h = h0; h < h1; h++) {
                 ahead_pull(&ahead, share);
                 value_head(s + h * group * stride + (ib - ib0) * bs, v_cache, block, bs, num_kv_heads, h, group, f, d,
                            n, stride, acc + h * group * d, buf);
             }
         }
-        if (c > c0) combine(state, mine, num_heads, d);
+        if (c > c0) combine(state, mine, num_heads, d, q0, q1);
     }
 }
 
 /* decode_chunks with fp32 rows, bf16 rows, or any kind read from the format: with the kind a
  * constant, each row is read by one path, and the sums and rows stay in registers across it. Read
  * from the format inside the loops, the two paths' rows met in memory, and the value pass's sums
- * with them, even where they would fit the registers. */
+ * with them, even where they would fit the registers. All heads, or the range h0 .. h1 - 1: with
+ * the range in the loops, 32 sequences' bf16 steps ran about 1% slower. */
 #define CHUNKS_ARGS const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, \
     int64_t c0, int64_t c1, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, float scale,         \
-    const RowFormat *f, float *state, float *work, const int64_t *nx_table, int64_t nx_ctx, int64_t nx_c
-#define CHUNKS_PASS q, k_cache, v_cache, table, ctx, c0, c1, num_heads, num_kv_heads, d, bs, scale, f, state, work, \
-    nx_table, nx_ctx, nx_c
-static void chunks_f32(CHUNKS_ARGS) { decode_chunks(CHUNKS_PASS, ROW_F32); }
-static void chunks_bf16(CHUNKS_ARGS) { decode_chunks(CHUNKS_PASS, ROW_BF16); }
-static void chunks_coded(CHUNKS_ARGS) { decode_chunks(CHUNKS_PASS, -1); }
+    const RowFormat *f, int64_t h0, int64_t h1, float *state, float *work, const int64_t *nx_table, int64_t nx_ctx, \
+    int64_t nx_c
+#define CHUNKS_PASS q, k_cache, v_cache, table, ctx, c0, c1, num_heads, num_kv_heads, d, bs, scale, f, h0, h1, state, \
+    work, nx_table, nx_ctx, nx_c
+static void chunks_f32(CHUNKS_ARGS) { decode_chunks(CHUNKS_PASS, ROW_F32, 1); }
+static void chunks_bf16(CHUNKS_ARGS) { decode_chunks(CHUNKS_PASS, ROW_BF16, 1); }
+static void chunks_coded(CHUNKS_ARGS) { decode_chunks(CHUNKS_PASS, -1, 1); }
+static void heads_f32(CHUNKS_ARGS) { decode_chunks(CHUNKS_PASS, ROW_F32, 0); }
+static void heads_bf16(CHUNKS_ARGS) { decode_chunks(CHUNKS_PASS, ROW_BF16, 0); }
+static void heads_coded(CHUNKS_ARGS) { decode_chunks(CHUNKS_PASS, -1, 0); }
 typedef void chunks_fn(CHUNKS_ARGS);
 #undef CHUNKS_ARGS
 #undef CHUNKS_PASS
 
-static chunks_fn *chunks_of(const RowFormat *f) {
-    return f->kind == ROW_F32 ? chunks_f32 : f->kind == ROW_BF16 ? chunks_bf16 : chunks_coded;
+static chunks_fn *chunks_of(const RowFormat *f, int all_heads) {
+    if (all_heads) return f->kind == ROW_F32 ? chunks_f32 : f->kind == ROW_BF16 ? chunks_bf16 : chunks_coded;
+    return f->kind == ROW_F32 ? heads_f32 : f->kind == ROW_BF16 ? heads_bf16 : heads_coded;
 }
 
 /* Floats of a thread's work area for decode_chunks. */
@@ -388,9 +403,11 @@ static void locate(int64_t task, int by_sequence, const int64_t *first, int64_t 
 
 /* Tasks: with by_sequence (many sequences a thread) whole sequences, each combining its chunks as it
  * goes; else single chunks, whose partials are combined per sequence afterwards, in the same order,
- * so the bits are the same either way. A thread takes tasks as it comes free (as a dynamic schedule
- * would), but claims its next one as it starts the current one, so that the current one's value
- * passes know whose keys to pull ahead. */
+ * so the bits are the same either way. With fewer chunks than two a thread, each chunk is one task
+ * per KV head (a lone sequence of up to 512 tokens was one task, which one thread ran while the
+ * other waited). A thread takes tasks as it comes free (as a dynamic schedule would), but claims its
+ * next one as it starts the current one, so that the current one's value passes know whose keys to
+ * pull ahead. */
 void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                       const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
                       int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width, float scale,
@@ -399,10 +416,11 @@ void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, con
     int64_t *first = malloc((size_t)(batch + 1) * sizeof *first); /* sequence b's chunks: first[b] .. first[b + 1] */
     first[0] = 0;
     for (int64_t b = 0; b < batch; b++) first[b + 1] = first[b] + (seq_lens[b] + ct - 1) / ct;
-    int64_t tasks = by_sequence ? batch : first[batch];
+    int64_t per_chunk = !by_sequence && first[batch] < 2 * omp_get_max_threads() ? num_kv_heads : 1;
+    int64_t tasks = by_sequence ? batch : first[batch] * per_chunk;
     float *partials = by_sequence ? NULL : malloc((size_t)(first[batch] * pf) * sizeof(float));
     size_t floats = work_floats(num_heads, d, bs) + (size_t)pf;
-    chunks_fn *run = chunks_of(f);
+    chunks_fn *run = chunks_of(f, per_chunk == 1);
     int64_t claimed = 0;
 #pragma omp parallel
     {
@@ -413,11 +431,11 @@ void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, con
             /* the next task is claimed now, so that this one's value passes can pull its keys ahead */
             int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
             int64_t b = 0, c = 0, nb = 0, nc = 0;
-            locate(task, by_sequence, first, batch, &b, &c);
+            locate(task / per_chunk, by_sequence, first, batch, &b, &c);
             const int64_t *nx_table = NULL;
             int64_t nx_ctx = 0;
             if (next < tasks) {
-                locate(next, by_sequence, first, batch, &nb, &nc);
+                locate(next / per_chunk, by_sequence, first, batch, &nb, &nc);
                 nx_table = block_tables + nb * width;
                 nx_ctx = seq_lens[nb];
             }
@@ -428,13 +446,14 @@ void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, con
                 if (chunks == 0) {
                     memset(out + b * num_heads * d, 0, (size_t)(num_heads * d) * sizeof(float));
                 } else {
-                    run(qb, k_cache, v_cache, table, seq_lens[b], 0, chunks, num_heads, num_kv_heads, d, bs, scale, f,
-                        state, work, nx_table, nx_ctx, nc);
+                    run(qb, k_cache, v_cache, table, seq_lens[b], 0, chunks, num_heads, num_kv_heads, d, bs, scale, f, 0,
+                        num_kv_heads, state, work, nx_table, nx_ctx, nc);
                     finish(state, out + b * num_heads * d, num_heads, d);
                 }
             } else {
-                run(qb, k_cache, v_cache, table, seq_lens[b], c, c + 1, num_heads, num_kv_heads, d, bs, scale, f,
-                    partials + task * pf, work, nx_table, nx_ctx, nc);
+                int64_t h0 = task % per_chunk, h1 = per_chunk == 1 ? num_kv_heads : h0 + 1;
+                run(qb, k_cache, v_cache, table, seq_lens[b], c, c + 1, num_heads, num_kv_heads, d, bs, scale, f, h0, h1,
+                    partials + task / per_chunk * pf, work, nx_table, nx_ctx, nc);
             }
             task = next;
         }
@@ -448,7 +467,8 @@ void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, con
                     continue;
                 }
                 float *st = partials + first[b] * pf;
-                for (int64_t c = first[b] + 1; c < first[b + 1]; c++) combine(st, partials + c * pf, num_heads, d);
+                for (int64_t c = first[b] + 1; c < first[b + 1]; c++)
+                    combine(st, partials + c * pf, num_heads, d, 0, num_heads);
                 finish(st, o, num_heads, d);
             }
         }
