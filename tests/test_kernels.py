@@ -642,6 +642,27 @@ def test_gemm_prefetch_threshold_is_tuned_or_set_and_changes_no_bits(monkeypatch
 
 
 @needs_kernels
+def test_two_row_tiles_taking_turns_on_a_group_give_the_same_bits():
+    """float32 blocks of two row tiles (9-16 rows with AVX-512) run each group's k steps in turns of
+    64, their sums left in y between turns; the last, partial group runs as before. Turns on or
+    off, one turn or several, every product is the same bits, and matches torch."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(16, 200, generator=gen)
+    weights = {k: (torch.randn(100, k, generator=gen), None) for k in (30, 64, 200)}
+    weights = {k: (w, KERNELS.pack(w)) for k, (w, _) in weights.items()}
+    try:
+        outs = {}
+        for on in (0, 1):
+            KERNELS._lib.kvs_gemm_set_turns(on)
+            outs[on] = [KERNELS.gemm(x[:m, :k].contiguous(), p, None) for m in (5, 9, 12, 16) for k, (_, p) in weights.items()]
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
+        for got, (m, k) in zip(outs[1], [(m, k) for m in (5, 9, 12, 16) for k in weights]):
+            torch.testing.assert_close(got, F.linear(x[:m, :k], weights[k][0]), rtol=1e-4, atol=1e-4 * k ** 0.5)
+    finally:
+        KERNELS._lib.kvs_gemm_set_turns(int(KERNELS.gemm_group == 48))
+
+
+@needs_kernels
 def test_bf16_products_on_the_widening_kernel_where_tiles_and_dot_products_are_switched_off(tmp_path):
     """KVSTRATA_AMX=0 and KVSTRATA_BF16_DOT=0 keep bf16 weights in the widening kernel's layout even
     on a CPU with AMX or bf16 dot products: k steps one by one, not rounded up to pairs (a fresh

@@ -66,6 +66,8 @@ class CpuKernels:
         self.gemm_group = lib.kvs_gemm_group()  # output columns per packed group: NR in csrc/gemm.c
         lib.kvs_gemm_set_prefetch_rows.argtypes = [ctypes.c_int64]
         lib.kvs_gemm_set_prefetch_rows.restype = None
+        lib.kvs_gemm_set_turns.argtypes = [ctypes.c_int]  # csrc/gemm.c's TURN_K (tests and benchmarks)
+        lib.kvs_gemm_set_turns.restype = None
         self.prefetch_rows: int | None = None  # set by tune_prefetch (the C default, 6, until then)
         lib.kvs_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_add_rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
