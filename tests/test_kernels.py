@@ -654,7 +654,8 @@ def test_two_row_tiles_taking_turns_on_a_group_give_the_same_bits():
         outs = {}
         for on in (0, 1):
             KERNELS._lib.kvs_gemm_set_turns(on)
-            outs[on] = [KERNELS.gemm(x[:m, :k].contiguous(), p, None) for m in (5, 9, 12, 16) for k, (_, p) in weights.items()]
+            outs[on] = [KERNELS.gemm(x[:m, :k].contiguous(), p, None)
+                        for m in (5, 9, 12, 16) for k, (_, p) in weights.items()]
         assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
         for got, (m, k) in zip(outs[1], [(m, k) for m in (5, 9, 12, 16) for k in weights]):
             torch.testing.assert_close(got, F.linear(x[:m, :k], weights[k][0]), rtol=1e-4, atol=1e-4 * k ** 0.5)
