@@ -642,23 +642,24 @@ def test_gemm_prefetch_threshold_is_tuned_or_set_and_changes_no_bits(monkeypatch
 
 
 @needs_kernels
-def test_two_row_tiles_taking_turns_on_a_group_give_the_same_bits():
-    """float32 blocks of two row tiles (9-16 rows with AVX-512) run each group's k steps in turns of
-    64, their sums left in y between turns; the last, partial group runs as before. Turns on or
-    off, one turn or several, every product is the same bits, and matches torch."""
+def test_row_tiles_taking_turns_on_a_group_give_the_same_bits():
+    """float32 blocks of 2-4 row tiles (9-32 rows with AVX-512) run each group's k steps in turns of
+    64, their sums left in y between turns; the last, partial group runs as before, and so do
+    blocks of one tile or of five and more. Turns on or off, one turn or several, every product is
+    the same bits, and matches torch."""
     gen = torch.Generator().manual_seed(12)
-    x = torch.randn(16, 200, generator=gen)
-    weights = {k: (torch.randn(100, k, generator=gen), None) for k in (30, 64, 200)}
-    weights = {k: (w, KERNELS.pack(w)) for k, (w, _) in weights.items()}
+    x = torch.randn(40, 200, generator=gen)
+    raw = {k: torch.randn(100, k, generator=gen) for k in (30, 64, 200)}
+    packed = {k: KERNELS.pack(w) for k, w in raw.items()}
+    shapes = [(m, k) for m in (5, 9, 12, 16, 24, 32, 40) for k in raw]
     try:
         outs = {}
         for on in (0, 1):
             KERNELS._lib.kvs_gemm_set_turns(on)
-            outs[on] = [KERNELS.gemm(x[:m, :k].contiguous(), p, None)
-                        for m in (5, 9, 12, 16) for k, (_, p) in weights.items()]
+            outs[on] = [KERNELS.gemm(x[:m, :k].contiguous(), packed[k], None) for m, k in shapes]
         assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
-        for got, (m, k) in zip(outs[1], [(m, k) for m in (5, 9, 12, 16) for k in weights]):
-            torch.testing.assert_close(got, F.linear(x[:m, :k], weights[k][0]), rtol=1e-4, atol=1e-4 * k ** 0.5)
+        for got, (m, k) in zip(outs[1], shapes):
+            torch.testing.assert_close(got, F.linear(x[:m, :k], raw[k]), rtol=1e-4, atol=1e-4 * k ** 0.5)
     finally:
         KERNELS._lib.kvs_gemm_set_turns(int(KERNELS.gemm_group == 48))
 

@@ -198,15 +198,12 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t k,
         tile_rows(x, k, wp, g, y, ldy, mr, ncols, mode, 0, NULL, next_step, 0, k, 0);
 }
 
-/* k steps k0 .. k1 - 1 of a tile of a whole group (ncols == NR), its sums started from y where
- * k0 > 0 and left there: see TURN_K. */
-static inline __attribute__((always_inline)) void tile_turn(const void *x, int64_t k, const void *wp, int64_t g,
-                                                            float *y, int64_t ldy, int64_t mr, int ncols, int mode,
-                                                            int ahead, int64_t k0, int64_t k1) {
-    if (ahead)
-        tile_rows(x, k, wp, g, y, ldy, mr, ncols, mode, 1, NULL, 0, k0, k1, k0 > 0);
-    else
-        tile_rows(x, k, wp, g, y, ldy, mr, ncols, mode, 0, NULL, 0, k0, k1, k0 > 0);
+/* k steps k0 .. k1 - 1 of a float32 tile of a whole group (ncols == NR), its sums started from y
+ * where k0 > 0 and left there, prefetching next + kk * next_step for each k step kk: see TURN_K. */
+static inline __attribute__((always_inline)) void tile_turn(const float *x, int64_t k, const void *wp, int64_t g,
+                                                            float *y, int64_t ldy, int64_t mr, int64_t k0,
+                                                            int64_t k1, const char *next, int64_t next_step) {
+    tile_rows(x, k, wp, g, y, ldy, mr, NR, 0, 0, next, next_step, k0, k1, k0 > 0);
 }
 
 /* One row of x (a batch-1 decode step) streams the weights once, a read of the packed groups at memory
@@ -360,17 +357,22 @@ static const float *widened_group(const uint16_t *wp, int64_t g, int64_t k) {
  * busy loop, 0.95-1.27x), and whole decode steps at batch 1, 8 and 32 1.0-1.05x in fp32 and
  * 0.99-1.09x in bf16 (two engines in lockstep, both load orders). Which thread computes a tile
  * does not change its sums, so the bits do not change either. */
-/* float32, two row tiles a block (9-16 rows with AVX-512): the tiles take turns on each TURN_K k
+/* float32 blocks of 2-4 row tiles (9-32 rows with AVX-512): the tiles take turns on each TURN_K k
  * steps of a group, their sums left in y between turns, so that the group streams from memory in
- * one pass, the second tile meeting its lines in L1 behind the first tile's prefetch. One tile after
- * the other (the first from memory, the second from L2, the next group prefetched over both), a
- * model's products from memory took 1.6-1.7x their time in cache at 12-16 rows, against 1.0x at 8.
- * On a 2-core Xeon with AMX (SmolLM2, weights from memory, alternating in one process): products at
- * 9 / 12 / 16 rows 1.15x / 1.14x / 1.04x faster, 17-32 rows even, decode steps of 9 / 12 / 16
- * sequences 1.06x / 1.07x / 1.04x; turns of 32 or 256 k steps gained less, 128 as much; three or
- * four tiles taking turns ran 0.90-0.95x at 24-32 rows, and bf16 (pairs or widened, 12-16 rows)
- * 0.91-0.96x. The sums are the same multiply-adds in the same order, so the bits are the same. */
+ * one pass and the later tiles of a turn meet its lines in L1; every tile of a turn prefetches its
+ * share of the weights TURN_AHEAD turns ahead, so the stream runs through all of them. One tile
+ * after the other (the first from memory, the second from L2, the next group prefetched over all),
+ * a model's products from memory took 1.6-1.7x their time in cache at 12-16 rows, against 1.0x at
+ * 8. On a 2-core Xeon with AMX (SmolLM2's products, weights from memory, alternating in one
+ * process): 1.14-1.18x faster at 12 and 16 rows, 1.08-1.10x at 24, 1.04-1.07x at 32; prefetching
+ * 1 or 4 turns ahead about as fast as 2; with the first tile's own prefetch alone, 1.04x at 16
+ * rows and 0.90-0.95x at 24-32; 5-8 tiles 0.92-0.98x at 48-128 rows; bf16 (pairs or widened) with
+ * two tiles 0.91-0.96x, so it keeps the tiles one after the other; turns of 32 or 256 k steps
+ * gained less than 64, 128 as much. The sums are the same multiply-adds in the same order, so the
+ * bits are the same. */
 #define TURN_K 64
+#define TURN_TILES 4
+#define TURN_AHEAD 2
 static int turns_on = VW == 16; /* measured with AVX-512 only (two 4-row tiles with AVX2: 5-8 rows) */
 void kvs_gemm_set_turns(int on) { turns_on = on; } /* tests and benchmarks */
 
@@ -393,12 +395,16 @@ static inline __attribute__((always_inline)) void tasks(const void *x, const voi
         int ahead = m >= prefetch_min_rows;
         const char *next = g + 1 < groups && ahead && tiles > 1 ? (const char *)wp + (g + 1) * k * NR * elem : NULL;
         const float *wide = mode == 1 && tiles >= WIDE_MIN_TILES ? widened_group(wp, g, k) : NULL;
-        if (mode == 0 && tiles == 2 && ncols == NR && ahead && turns_on) {
+        if (mode == 0 && tiles >= 2 && tiles <= TURN_TILES && ncols == NR && ahead && turns_on) {
+            /* tile t of a turn prefetches its share of the weights TURN_AHEAD turns on (into the next
+             * group at the end: a thread's run of groups is contiguous) */
+            int64_t step = (NR * 4 + tiles - 1) / tiles;
+            const char *group = (const char *)wp + g * k * NR * 4;
             for (int64_t k0 = 0; k0 < k; k0 += TURN_K)
-                for (int64_t m0 = b * MB; m0 < m_end; m0 += MR)
+                for (int64_t m0 = b * MB, t = 0; m0 < m_end; m0 += MR, t++)
                     tile_turn((const float *)x + m0 * k, k, wp, g, y + m0 * n + g * NR, n,
-                              m_end - m0 < MR ? m_end - m0 : MR, ncols, 0, m0 == b * MB, k0,
-                              k0 + TURN_K < k ? k0 + TURN_K : k);
+                              m_end - m0 < MR ? m_end - m0 : MR, k0, k0 + TURN_K < k ? k0 + TURN_K : k,
+                              group + (k0 + TURN_AHEAD * TURN_K) * NR * 4 + (t * TURN_K - k0) * step, step);
         } else {
             for (int64_t m0 = b * MB, t = 0; m0 < m_end; m0 += MR, t++) {
                 int64_t mr = m_end - m0 < MR ? m_end - m0 : MR;
