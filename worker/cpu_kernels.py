@@ -83,10 +83,10 @@ class CpuKernels:
             fn.restype = None
         # a decode-only layer in one call (csrc/layer.c, driven by fused_decode.py): pointers to its
         # LayerWeights and DecodeStep structs, then the layer's K and V caches
-        lib.kvs_layer_f32.argtypes = lib.kvs_layer_bf16.argtypes = [ctypes.c_void_p] * 4
-        lib.kvs_layer_f32.restype = ctypes.c_int
-        lib.kvs_layer_bf16.restype = ctypes.c_int
-        self.layer_f32, self.layer_bf16 = lib.kvs_layer_f32, lib.kvs_layer_bf16
+        lib.kvs_layers.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+                                   + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_void_p])
+        lib.kvs_layers.restype = ctypes.c_int
+        self.layers = lib.kvs_layers  # a step's layers in one call (csrc/layer.c)
         lib.kvs_paged_prefill_takes.argtypes = [ctypes.c_int64] * 4
         lib.kvs_paged_prefill_takes.restype = ctypes.c_int
         lib.kvs_paged_prefill_f32.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3

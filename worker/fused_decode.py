@@ -58,7 +58,7 @@ class FusedDecode:
     """Built for a model whose projections are packed float32 or bf16 weights (see `build`)."""
 
     def __init__(self, kernels: CpuKernels, model: LlamaModel):
-        self._layer_f32, self._layer_bf16 = kernels.layer_f32, kernels.layer_bf16
+        self._layers = kernels.layers
         c = model.config
         self.model = model
         self.dtype = model.dtype
@@ -78,7 +78,6 @@ class FusedDecode:
                 _packed(layer.qkv).data, bias, _packed(layer.o_proj).data, post, _packed(layer.gate_up).data,
                 _packed(layer.down).data, nxt)]
             self._weights[i] = _LayerWeights(*ptr)
-        self._refs = [ctypes.byref(w) for w in self._weights]
         self.eps, self.head_dim = c.rms_norm_eps, c.head_dim
 
     @staticmethod
@@ -165,14 +164,12 @@ class FusedDecode:
                 step.kv_extra, step.kv_group = fmt.extra, fmt.v_group
             else:
                 step.kv_max_code = fmt.max_code
-        sp = ctypes.byref(step)
-        base, elt = kv_cache.data_ptr(), kv_cache.element_size()
-        layer_bytes, kv_bytes = kv_cache.stride(0) * elt, kv_cache.stride(1) * elt
-        layer = self._layer_bf16 if bf16 else self._layer_f32
-        for i, ref in enumerate(self._refs):
-            k_ptr = base + i * layer_bytes
-            rc = layer(ref, sp, k_ptr, k_ptr + kv_bytes)
-            if rc == -1:
-                raise MemoryError("fused decode: no memory for the int4 K/V write's scratch")
-            if rc:  # takes() checked the shapes
-                raise RuntimeError("fused decode: the prefill kernel refused the step's shapes")
+        elt = kv_cache.element_size()
+        failed = ctypes.c_int64(-1)
+        rc = self._layers(ctypes.addressof(self._weights), len(self._weights), ctypes.addressof(step),
+                          kv_cache.data_ptr(), kv_cache.stride(0) * elt, kv_cache.stride(1) * elt, int(bf16),
+                          ctypes.addressof(failed))
+        if rc == -1:
+            raise MemoryError(f"fused decode: no memory for the int4 K/V write's scratch (layer {failed.value})")
+        if rc:  # takes() checked the shapes
+            raise RuntimeError(f"fused decode: the prefill kernel refused the step's shapes (layer {failed.value})")

@@ -204,3 +204,21 @@ int kvs_layer_bf16(const LayerWeights *w, const DecodeStep *s, uint16_t *k_cache
     kvs_add_rms_norm_bf16(s->o, s->residual, w->next_norm, s->x, t, h, s->eps); /* no next norm: the add alone */
     return 0;
 }
+
+/* Every layer of a step in one call, so a step makes one ctypes call (and lets go of the GIL once)
+ * instead of one a layer: layer i reads w[i] and the K and V caches at k_base + i * layer_bytes and
+ * kv_bytes further on. Returns 0, or the first failing layer's code (see the two above) with
+ * *failed set to that layer. */
+int kvs_layers(const LayerWeights *w, int64_t num_layers, const DecodeStep *s, char *k_base, int64_t layer_bytes,
+               int64_t kv_bytes, int bf16, int64_t *failed) {
+    for (int64_t i = 0; i < num_layers; i++) {
+        char *k = k_base + i * layer_bytes;
+        int rc = bf16 ? kvs_layer_bf16(w + i, s, (uint16_t *)k, (uint16_t *)(k + kv_bytes))
+                      : kvs_layer_f32(w + i, s, k, k + kv_bytes);
+        if (rc) {
+            *failed = i;
+            return rc;
+        }
+    }
+    return 0;
+}
