@@ -404,10 +404,11 @@ static void locate(int64_t task, int by_sequence, const int64_t *first, int64_t 
 /* Tasks: with by_sequence (many sequences a thread) whole sequences, each combining its chunks as it
  * goes; else single chunks, whose partials are combined per sequence afterwards, in the same order,
  * so the bits are the same either way. With fewer chunks than two a thread, each chunk is one task
- * per KV head (a lone sequence of up to 512 tokens was one task, which one thread ran while the
- * other waited). A thread takes tasks as it comes free (as a dynamic schedule would), but claims its
- * next one as it starts the current one, so that the current one's value passes know whose keys to
- * pull ahead. */
+ * per KV head: a lone sequence of up to 512 tokens was one task, which one thread ran while the
+ * other waited, and two chunks often both went to the thread that came first (see below); on a
+ * 2-core Xeon, decode steps of 1-3 sequences ran 1.6-5.6% faster, 4 even. A thread takes tasks as it
+ * comes free (as a dynamic schedule would), but claims its next one as it starts the current one,
+ * so that the current one's value passes know whose keys to pull ahead. */
 void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                       const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
                       int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width, float scale,
