@@ -66,7 +66,7 @@ class CpuKernels:
         self.gemm_group = lib.kvs_gemm_group()  # output columns per packed group: NR in csrc/gemm.c
         lib.kvs_gemm_set_prefetch_rows.argtypes = [ctypes.c_int64]
         lib.kvs_gemm_set_prefetch_rows.restype = None
-        lib.kvs_gemm_set_turns.argtypes = [ctypes.c_int]  # csrc/gemm.c's TURN_K (tests and benchmarks)
+        lib.kvs_gemm_set_turns.argtypes = [ctypes.c_int]  # float32 tiles in turns on/off (csrc/gemm.c's TURN_K)
         lib.kvs_gemm_set_turns.restype = None
         self.prefetch_rows: int | None = None  # set by tune_prefetch (the C default, 6, until then)
         lib.kvs_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
@@ -81,8 +81,9 @@ class CpuKernels:
         for fn in (lib.kvs_silu_mul_f32, lib.kvs_silu_mul_bf16):
             fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
             fn.restype = None
-        # a decode-only layer in one call (csrc/layer.c, driven by fused_decode.py): pointers to its
-        # LayerWeights and DecodeStep structs, then the layer's K and V caches
+        # a step's layers in one call (csrc/layer.c, driven by fused_decode.py): the LayerWeights array
+        # and its length, the DecodeStep, layer 0's K cache, the bytes from one layer's cache to the
+        # next and from K to V, bf16 or not, and where to write the layer that failed
         lib.kvs_layers.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
                                    + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_void_p])
         lib.kvs_layers.restype = ctypes.c_int

@@ -16,7 +16,8 @@
  * *next* group into L2, spread evenly over the k steps of all the row tiles of the block. The
  * weight stream is then fetched while the cores compute, instead of in a burst during each group's
  * first tile (25% faster at 32 rows with weights coming from DRAM), and the current group is
- * prefetched a few KB ahead of its loads (AHEAD_BYTES). Below prefetch_min_rows rows (6, or 2 where
+ * prefetched a few KB ahead of its loads (AHEAD_BYTES); float32 blocks of 2-4 tiles take turns on
+ * each group instead (see TURN_K). Below prefetch_min_rows rows (6, or 2 where
  * the engine measured that it pays) both are left to the hardware prefetcher (one row of widened
  * bf16 has a path of its own, gemv_bf16_group). A prefetch never faults, so running past the end is
  * harmless.
@@ -340,6 +341,25 @@ static const float *widened_group(const uint16_t *wp, int64_t g, int64_t k) {
     return copy;
 }
 
+/* float32 blocks of 2-4 row tiles (9-32 rows with AVX-512): the tiles take turns on each TURN_K k
+ * steps of a group, their sums left in y between turns, so that the group streams from memory in
+ * one pass and the later tiles of a turn meet its lines in L1; every tile of a turn prefetches its
+ * share of the weights TURN_AHEAD turns ahead, so the stream runs through all of them. One tile
+ * after the other (the first from memory, the second from L2, the next group prefetched over all),
+ * a model's products from memory took 1.6-1.7x their time in cache at 12-16 rows, against 1.0x at
+ * 8. On a 2-core Xeon with AMX (SmolLM2's products, weights from memory, alternating in one
+ * process): 1.14-1.18x faster at 12 and 16 rows, 1.08-1.10x at 24, 1.04-1.07x at 32; prefetching
+ * 1 or 4 turns ahead about as fast as 2; with the first tile's own prefetch alone, 1.04x at 16
+ * rows and 0.90-0.95x at 24-32; 5-8 tiles 0.92-0.98x at 48-128 rows; bf16 weights (pairs or
+ * widened, measured with AMX off) 0.91-0.98x at 12-32 rows, so they keep the tiles one after the
+ * other; turns of 32 or 256 k steps gained less than 64, 128 as much. The sums are the same multiply-adds in the same order, so the
+ * bits are the same. */
+#define TURN_K 64
+#define TURN_TILES 4
+#define TURN_AHEAD 2
+static int turns_on = VW == 16; /* measured with AVX-512 only (two 4-row tiles with AVX2: 5-8 rows) */
+void kvs_gemm_set_turns(int on) { turns_on = on; } /* tests and benchmarks */
+
 /* The (block, group) tasks, block-major, taken by the threads in runs of consecutive tasks as each
  * thread comes free, each run half of what is left over the threads (OpenMP's guided schedule):
  * long runs first, so that a thread streams a long stretch of the weights and its tiles' prefetch
@@ -357,25 +377,6 @@ static const float *widened_group(const uint16_t *wp, int64_t g, int64_t k) {
  * busy loop, 0.95-1.27x), and whole decode steps at batch 1, 8 and 32 1.0-1.05x in fp32 and
  * 0.99-1.09x in bf16 (two engines in lockstep, both load orders). Which thread computes a tile
  * does not change its sums, so the bits do not change either. */
-/* float32 blocks of 2-4 row tiles (9-32 rows with AVX-512): the tiles take turns on each TURN_K k
- * steps of a group, their sums left in y between turns, so that the group streams from memory in
- * one pass and the later tiles of a turn meet its lines in L1; every tile of a turn prefetches its
- * share of the weights TURN_AHEAD turns ahead, so the stream runs through all of them. One tile
- * after the other (the first from memory, the second from L2, the next group prefetched over all),
- * a model's products from memory took 1.6-1.7x their time in cache at 12-16 rows, against 1.0x at
- * 8. On a 2-core Xeon with AMX (SmolLM2's products, weights from memory, alternating in one
- * process): 1.14-1.18x faster at 12 and 16 rows, 1.08-1.10x at 24, 1.04-1.07x at 32; prefetching
- * 1 or 4 turns ahead about as fast as 2; with the first tile's own prefetch alone, 1.04x at 16
- * rows and 0.90-0.95x at 24-32; 5-8 tiles 0.92-0.98x at 48-128 rows; bf16 (pairs or widened) with
- * two tiles 0.91-0.96x, so it keeps the tiles one after the other; turns of 32 or 256 k steps
- * gained less than 64, 128 as much. The sums are the same multiply-adds in the same order, so the
- * bits are the same. */
-#define TURN_K 64
-#define TURN_TILES 4
-#define TURN_AHEAD 2
-static int turns_on = VW == 16; /* measured with AVX-512 only (two 4-row tiles with AVX2: 5-8 rows) */
-void kvs_gemm_set_turns(int on) { turns_on = on; } /* tests and benchmarks */
-
 static inline __attribute__((always_inline)) void tasks(const void *x, const void *wp, const float *bias, float *y,
                                                         int64_t m, int64_t n, int64_t k, int mode) {
     int64_t groups = (n + NR - 1) / NR, all = (m + MB - 1) / MB * groups;
