@@ -447,14 +447,14 @@ void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, con
                 if (chunks == 0) {
                     memset(out + b * num_heads * d, 0, (size_t)(num_heads * d) * sizeof(float));
                 } else {
-                    run(qb, k_cache, v_cache, table, seq_lens[b], 0, chunks, num_heads, num_kv_heads, d, bs, scale, f, 0,
-                        num_kv_heads, state, work, nx_table, nx_ctx, nc);
+                    run(qb, k_cache, v_cache, table, seq_lens[b], 0, chunks, num_heads, num_kv_heads, d, bs, scale,
+                        f, 0, num_kv_heads, state, work, nx_table, nx_ctx, nc);
                     finish(state, out + b * num_heads * d, num_heads, d);
                 }
             } else {
                 int64_t h0 = task % per_chunk, h1 = per_chunk == 1 ? num_kv_heads : h0 + 1;
-                run(qb, k_cache, v_cache, table, seq_lens[b], c, c + 1, num_heads, num_kv_heads, d, bs, scale, f, h0, h1,
-                    partials + task / per_chunk * pf, work, nx_table, nx_ctx, nc);
+                run(qb, k_cache, v_cache, table, seq_lens[b], c, c + 1, num_heads, num_kv_heads, d, bs, scale, f,
+                    h0, h1, partials + task / per_chunk * pf, work, nx_table, nx_ctx, nc);
             }
             task = next;
         }

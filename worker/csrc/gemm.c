@@ -352,8 +352,8 @@ static const float *widened_group(const uint16_t *wp, int64_t g, int64_t k) {
  * 1 or 4 turns ahead about as fast as 2; with the first tile's own prefetch alone, 1.04x at 16
  * rows and 0.90-0.95x at 24-32; 5-8 tiles 0.92-0.98x at 48-128 rows; bf16 weights (pairs or
  * widened, measured with AMX off) 0.91-0.98x at 12-32 rows, so they keep the tiles one after the
- * other; turns of 32 or 256 k steps gained less than 64, 128 as much. The sums are the same multiply-adds in the same order, so the
- * bits are the same. */
+ * other; turns of 32 or 256 k steps gained less than 64, 128 as much. The sums are the same
+ * multiply-adds in the same order, so the bits are the same. */
 #define TURN_K 64
 #define TURN_TILES 4
 #define TURN_AHEAD 2
