@@ -661,7 +661,37 @@ def test_row_tiles_taking_turns_on_a_group_give_the_same_bits():
         for got, (m, k) in zip(outs[1], shapes):
             torch.testing.assert_close(got, F.linear(x[:m, :k], raw[k]), rtol=1e-4, atol=1e-4 * k ** 0.5)
     finally:
-        KERNELS._lib.kvs_gemm_set_turns(int(KERNELS.gemm_group == 48))
+        KERNELS._lib.kvs_gemm_set_turns(int(KERNELS.gemm_group == 48 if KERNELS.turns is None else KERNELS.turns))
+
+
+@needs_kernels
+def test_gemm_turns_are_tuned_or_set_once_per_process(monkeypatch):
+    """Whether float32 blocks take turns is timed once per process at 16 rows, or set by
+    KVSTRATA_GEMM_TURNS; a bad value is an error naming the variable, and builds without AVX-512 and
+    bf16 weights keep turns off without timing."""
+    from kvstrata.worker.cpu_kernels import CpuKernels
+
+    gen = torch.Generator().manual_seed(13)
+    weights = [KERNELS.pack(torch.randn(200, 96, generator=gen)) for _ in range(3)]
+    restore = int(KERNELS.gemm_group == 48 if KERNELS.turns is None else KERNELS.turns)
+    try:
+        for value, on in (("1", True), ("0", False)):
+            monkeypatch.setenv("KVSTRATA_GEMM_TURNS", value)
+            fresh = CpuKernels(KERNELS._lib)
+            assert fresh.tune_turns(weights) is on and fresh.turns is on
+            monkeypatch.setenv("KVSTRATA_GEMM_TURNS", "1" if value == "0" else "0")
+            assert fresh.tune_turns(weights) is on  # once chosen, kept
+        monkeypatch.setenv("KVSTRATA_GEMM_TURNS", "yes")
+        with pytest.raises(ValueError, match="KVSTRATA_GEMM_TURNS"):
+            CpuKernels(KERNELS._lib).tune_turns(weights)
+        monkeypatch.delenv("KVSTRATA_GEMM_TURNS")
+        assert CpuKernels(KERNELS._lib).tune_turns([]) is False
+        bf16 = [KERNELS.pack(torch.randn(200, 96, generator=gen).to(torch.bfloat16))]
+        assert CpuKernels(KERNELS._lib).tune_turns(bf16) is False
+        timed = CpuKernels(KERNELS._lib).tune_turns(weights, rounds=1)
+        assert isinstance(timed, bool) and (timed is False or KERNELS.gemm_group == 48)
+    finally:
+        KERNELS._lib.kvs_gemm_set_turns(restore)
 
 
 @needs_kernels

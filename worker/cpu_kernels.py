@@ -69,6 +69,7 @@ class CpuKernels:
         lib.kvs_gemm_set_turns.argtypes = [ctypes.c_int]  # float32 tiles in turns on/off (csrc/gemm.c's TURN_K)
         lib.kvs_gemm_set_turns.restype = None
         self.prefetch_rows: int | None = None  # set by tune_prefetch (the C default, 6, until then)
+        self.turns: bool | None = None  # set by tune_turns (the C default, on with AVX-512, until then)
         lib.kvs_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_add_rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_rms_norm_f32.restype = lib.kvs_add_rms_norm_f32.restype = None
@@ -297,27 +298,60 @@ class CpuKernels:
         elif not weights:
             chosen = 6
         else:
-            import time
-
-            k = max(w.k for w in weights)
-            x = torch.randn(4, k, generator=torch.Generator().manual_seed(0)).to(weights[0].data.dtype)
-            xs = [x[:, : w.k].contiguous() for w in weights]
-            times: dict[int, list[float]] = {2: [], 6: []}
-            for r in range(rounds + 1):
-                for rows in ((2, 6) if r % 2 else (6, 2)):
-                    self._lib.kvs_gemm_set_prefetch_rows(rows)
-                    t0 = time.perf_counter()
-                    for xi, w in zip(xs, weights):
-                        self.gemm(xi, w, None)
-                    if r:  # the first round only brings everything to the same state
-                        times[rows].append(time.perf_counter() - t0)
-            with_, without = (sorted(times[n])[len(times[n]) // 2] for n in (2, 6))
-            chosen = 2 if with_ < without else 6
+            t = self._time_passes(weights, 4, self._lib.kvs_gemm_set_prefetch_rows, (2, 6), rounds)
+            chosen = 2 if t[2] < t[6] else 6
             log.info("packed GEMM at 4 rows: %.1f ms prefetching, %.1f ms without; prefetching from %d rows",
-                     with_ * 1e3, without * 1e3, chosen)
+                     t[2] * 1e3, t[6] * 1e3, chosen)
         self._lib.kvs_gemm_set_prefetch_rows(chosen)
         self.prefetch_rows = chosen
         return chosen
+
+    def tune_turns(self, weights: list[PackedWeight], rounds: int = 5) -> bool:
+        """Whether float32 blocks of 2-4 row tiles take turns on each group (csrc/gemm.c's TURN_K),
+        chosen once per process by timing a pass over `weights` (a model's float32 projections,
+        larger than the caches) at 16 rows both ways, alternating: the faster median wins. It depends
+        on the host: on a 2-core Xeon with AMX, turns made such products 1.07-1.18x faster at 12-24
+        rows; on a 2-core Zen 4 EPYC, whole decode steps at 16-32 rows 1.10-1.19x slower. Builds
+        without AVX-512 keep them off without timing. KVSTRATA_GEMM_TURNS=0 or 1 sets it without
+        timing. Same results either way: the same multiply-adds in the same order."""
+        if self.turns is not None:
+            return self.turns
+        env = os.environ.get("KVSTRATA_GEMM_TURNS")
+        if env is not None:
+            if env not in ("0", "1"):
+                raise ValueError(f"KVSTRATA_GEMM_TURNS must be 0 or 1, not {env!r}")
+            chosen = env == "1"
+        elif self.gemm_group != 48 or not weights or weights[0].data.dtype != torch.float32:
+            chosen = False
+        else:
+            t = self._time_passes(weights, 16, self._lib.kvs_gemm_set_turns, (1, 0), rounds)
+            chosen = t[1] < t[0]
+            log.info("packed GEMM at 16 rows: %.1f ms in turns, %.1f ms without; turns %s",
+                     t[1] * 1e3, t[0] * 1e3, "on" if chosen else "off")
+        self._lib.kvs_gemm_set_turns(int(chosen))
+        self.turns = chosen
+        return chosen
+
+    def _time_passes(self, weights: list[PackedWeight], rows: int, set_option, options: tuple[int, int],
+                     rounds: int) -> dict[int, float]:
+        """Median seconds of a pass over `weights` at `rows` rows under each of two options, set
+        through `set_option`, alternating so that both see the host alike; the first round only brings
+        everything to the same state."""
+        import time
+
+        k = max(w.k for w in weights)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(0)).to(weights[0].data.dtype)
+        xs = [x[:, : w.k].contiguous() for w in weights]
+        times: dict[int, list[float]] = {o: [] for o in options}
+        for r in range(rounds + 1):
+            for option in (options if r % 2 else options[::-1]):
+                set_option(option)
+                t0 = time.perf_counter()
+                for xi, w in zip(xs, weights):
+                    self.gemm(xi, w, None)
+                if r:
+                    times[option].append(time.perf_counter() - t0)
+        return {o: sorted(ts)[len(ts) // 2] for o, ts in times.items()}
 
     def copy_blocks(self, src: torch.Tensor, src_dim: int, src_ids: list[int], dst: torch.Tensor, dst_dim: int,
                     dst_ids: list[int], streaming: bool = False) -> None:

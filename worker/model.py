@@ -97,12 +97,14 @@ class LlamaModel:
         self.lm_head = flat[-1]
         panels = [w[0] if isinstance(w, tuple) else w for w in flat[:-1]]  # the projections' packed panels
         panels = [w for w in panels if isinstance(w, PackedWeight)]
-        if panels:  # once per process: whether few-row products prefetch their weights on this host
+        if panels:  # once per process: how the packed GEMM runs fastest on this host (timed, cpu_kernels.py)
             from kvstrata.worker.cpu_kernels import load_cpu_kernels
 
             kernels = load_cpu_kernels()
             if dtype == torch.float32 or not kernels.amx:  # (bf16 on AMX tiles does not use it)
                 kernels.tune_prefetch(panels)
+            if dtype == torch.float32:  # and whether 9-32-row products take turns (float32 only)
+                kernels.tune_turns(panels)
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                     c.rope_scaling, dtype, device)
         self.scale = c.head_dim**-0.5
