@@ -352,12 +352,14 @@ static const float *widened_group(const uint16_t *wp, int64_t g, int64_t k) {
  * 1 or 4 turns ahead about as fast as 2; with the first tile's own prefetch alone, 1.04x at 16
  * rows and 0.90-0.95x at 24-32; 5-8 tiles 0.92-0.98x at 48-128 rows; bf16 weights (pairs or
  * widened, measured with AMX off) 0.91-0.98x at 12-32 rows, so they keep the tiles one after the
- * other; turns of 32 or 256 k steps gained less than 64, 128 as much. The sums are the same
- * multiply-adds in the same order, so the bits are the same. */
+ * other; turns of 32 or 256 k steps gained less than 64, 128 as much. On a 2-core Zen 4 EPYC, turns
+ * made decode steps of 16-32 sequences 1.10-1.19x slower and the shared-prefix workload 1.11x, so the
+ * engine times both ways when a float32 model loads (cpu_kernels.py's tune_turns). The sums are the
+ * same multiply-adds in the same order, so the bits are the same. */
 #define TURN_K 64
 #define TURN_TILES 4
 #define TURN_AHEAD 2
-static int turns_on = VW == 16; /* measured with AVX-512 only (two 4-row tiles with AVX2: 5-8 rows) */
+static int turns_on = VW == 16; /* until timed; AVX-512 only (two 4-row tiles with AVX2: 5-8 rows) */
 void kvs_gemm_set_turns(int on) { turns_on = on; } /* tests and benchmarks */
 
 /* The (block, group) tasks, block-major, taken by the threads in runs of consecutive tasks as each
