@@ -310,7 +310,7 @@ class CpuKernels:
         """Whether float32 blocks of 2-4 row tiles take turns on each group (csrc/gemm.c's TURN_K),
         chosen once per process by timing a pass over `weights` (a model's float32 projections,
         larger than the caches) at 16 rows both ways, alternating: the faster median wins. It depends
-        on the host: on a 2-core Xeon with AMX, turns made such products 1.07-1.18x faster at 12-24
+        on the host: on a 2-core Xeon with AMX, turns made such products 1.08-1.18x faster at 12-24
         rows; on a 2-core Zen 4 EPYC, whole decode steps at 16-32 rows 1.10-1.19x slower. Builds
         without AVX-512 keep them off without timing. KVSTRATA_GEMM_TURNS=0 or 1 sets it without
         timing. Same results either way: the same multiply-adds in the same order."""
