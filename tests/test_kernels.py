@@ -641,6 +641,11 @@ def test_gemm_prefetch_threshold_is_tuned_or_set_and_changes_no_bits(monkeypatch
         KERNELS._lib.kvs_gemm_set_prefetch_rows(KERNELS.prefetch_rows or 6)
 
 
+def _process_turns() -> int:
+    """The turns setting this process's kernels run with (tune_turns's choice, else the C default)."""
+    return int(KERNELS.gemm_group == 48 if KERNELS.turns is None else KERNELS.turns)
+
+
 @needs_kernels
 def test_row_tiles_taking_turns_on_a_group_give_the_same_bits():
     """float32 blocks of 2-4 row tiles (9-32 rows with AVX-512) run each group's k steps in turns of
@@ -661,7 +666,7 @@ def test_row_tiles_taking_turns_on_a_group_give_the_same_bits():
         for got, (m, k) in zip(outs[1], shapes):
             torch.testing.assert_close(got, F.linear(x[:m, :k], raw[k]), rtol=1e-4, atol=1e-4 * k ** 0.5)
     finally:
-        KERNELS._lib.kvs_gemm_set_turns(int(KERNELS.gemm_group == 48 if KERNELS.turns is None else KERNELS.turns))
+        KERNELS._lib.kvs_gemm_set_turns(_process_turns())
 
 
 @needs_kernels
@@ -673,7 +678,7 @@ def test_gemm_turns_are_tuned_or_set_once_per_process(monkeypatch):
 
     gen = torch.Generator().manual_seed(13)
     weights = [KERNELS.pack(torch.randn(200, 96, generator=gen)) for _ in range(3)]
-    restore = int(KERNELS.gemm_group == 48 if KERNELS.turns is None else KERNELS.turns)
+    restore = _process_turns()
     try:
         for value, on in (("1", True), ("0", False)):
             monkeypatch.setenv("KVSTRATA_GEMM_TURNS", value)
