@@ -37,7 +37,7 @@ def burst(names: list[str]) -> list:
 
 def test_the_io_threads_share_a_burst_out_evenly(tmp_path, recorded_writes):
     names = [f"b{i}" for i in range(16)]
-    tier = tier_at(tmp_path / "nvme", capacity=32 * SLOT, num_io_threads=4)
+    tier = tier_at(tmp_path / "nvme", capacity=32 * SLOT, num_io_threads=4, c_io=False)
     assert tier._io.max_run >= len(names)  # one thread could take the whole burst in one run
     futures = tier.put_many(burst(names))
     assert [f.result(timeout=10) for f in futures] == [True] * len(names)
@@ -80,7 +80,7 @@ def test_a_burst_is_as_recent_as_its_takes_not_its_ends(tmp_path, monkeypatch):
 
     monkeypatch.setattr(SlabFiles, "write", hold_slot_0)
     names = ["b0", "b1", "b2", "b3"]
-    tier = tier_at(tmp_path / "nvme", capacity=4 * SLOT, num_io_threads=2)
+    tier = tier_at(tmp_path / "nvme", capacity=4 * SLOT, num_io_threads=2, c_io=False)
     futures = tier.put_many(burst(names))
     assert started.wait(10)
     assert [f.result(timeout=10) for f in futures[1:]] == [True] * 3  # written while b0 waits
@@ -97,7 +97,7 @@ def test_a_burst_is_as_recent_as_its_takes_not_its_ends(tmp_path, monkeypatch):
 def test_a_bug_in_one_share_leaves_the_rest_of_the_queue_written(tmp_path, monkeypatch):
     monkeypatch.setattr(nvme, "RUN_BYTES", SLOT)  # one block a take, all on the one IO thread
     names = [f"b{i}" for i in range(6)]
-    tier = tier_at(tmp_path / "nvme", capacity=8 * SLOT, num_io_threads=1)
+    tier = tier_at(tmp_path / "nvme", capacity=8 * SLOT, num_io_threads=1, c_io=False)
     write = tier._io.write
 
     def buggy(writes):

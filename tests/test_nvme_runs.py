@@ -50,7 +50,7 @@ def put_burst(tier, held_writes, names=NAMES) -> list:
 
 
 def test_a_burst_of_puts_is_written_in_runs_of_adjacent_slots(tmp_path, held_writes):
-    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=1)
+    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=1, c_io=False)
     assert put_burst(tier, held_writes) == [True] * len(NAMES)
     runs = held_writes[2]
     assert runs[0] == (0, 1) and runs[1] == (1, len(NAMES) - 1)  # the seven queued ones in one pwrite
@@ -66,7 +66,7 @@ def test_a_burst_of_puts_is_written_in_runs_of_adjacent_slots(tmp_path, held_wri
 
 def test_runs_stop_at_the_run_size_and_at_the_end_of_a_slab(tmp_path, held_writes, monkeypatch):
     monkeypatch.setattr(nvme, "RUN_BYTES", 3 * SLOT)
-    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=1, slab_bytes=5 * SLOT)
+    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=1, slab_bytes=5 * SLOT, c_io=False)
     assert put_burst(tier, held_writes) == [True] * len(NAMES)
     # slot 0 alone (held), then the queue in takes of 3: slots 1-3, then 4-6 split at the slab's end
     assert held_writes[2] == [(0, 1), (1, 3), (4, 1), (5, 2), (7, 1)]
@@ -85,7 +85,7 @@ def test_a_failed_run_fails_only_its_own_writes(tmp_path, held_writes, monkeypat
             raise OSError(5, "injected")
 
     monkeypatch.setattr(SlabFiles, "write", failing_long_runs)
-    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=1)
+    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=1, c_io=False)
     assert put_burst(tier, held_writes) == [True] + [False] * (len(NAMES) - 1)
     assert len(tier) == 1 and tier.stats()["write_failures"] == len(NAMES) - 1 and tier.num_pending_writes == 0
     tier.check_integrity()  # the failed slots were erased and freed
@@ -97,7 +97,7 @@ def test_a_failed_run_fails_only_its_own_writes(tmp_path, held_writes, monkeypat
 
 def test_a_discard_while_queued_or_in_a_run_leaves_the_others(tmp_path, held_writes):
     started, release, runs = held_writes
-    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=1)
+    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=1, c_io=False)
     first = tier.put(h("b0"), None, data_of("b0"))
     assert started.wait(10)
     rest = [tier.put(h(n), None, data_of(n)) for n in NAMES[1:]]

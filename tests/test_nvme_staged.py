@@ -107,7 +107,7 @@ def test_a_run_of_staged_blocks_goes_out_in_one_pwritev_without_staging_again(tm
 
     monkeypatch.setattr(SlabFiles, "write_run", held)
     monkeypatch.setattr(slot_io, "stage", no_staging)
-    tier = tier_at(tmp_path / "nvme", capacity=8 * SLOT, num_io_threads=1)
+    tier = tier_at(tmp_path / "nvme", capacity=8 * SLOT, num_io_threads=1, c_io=False)
     copies = [tier.staged_copy(data_of(n)) for n in "abcd"]
     futures = [tier.put(h("a"), None, copies[0])]
     assert started.wait(10)

@@ -157,7 +157,9 @@ def direct_io(request, tmp_path) -> bool:
 
 @pytest.fixture
 def tier(tmp_path, direct_io):
-    t = tier_at(tmp_path / "nvme", direct_io=direct_io)
+    """O_DIRECT with writes on the C IO threads where the C kernels are built (the default), and
+    through the page cache with writes on the Python IO threads: each write path in both suites."""
+    t = tier_at(tmp_path / "nvme", direct_io=direct_io, c_io=None if direct_io else False)
     yield t
     t.close()
 
@@ -173,6 +175,7 @@ def tier(tmp_path, direct_io):
     ({"num_io_threads": 0}, "num_io_threads"),
     ({"direct_io": "yes"}, "direct_io"),
     ({"slab_bytes": 0}, "slab_bytes"),
+    ({"c_io": "yes"}, "c_io"),
     ({"layout_tag": "t" * 65535}, "layout_tag"),
 ])
 def test_bad_arguments_name_the_argument(tmp_path, kwargs, name):
@@ -602,7 +605,7 @@ def test_a_write_discarded_mid_flight_leaves_no_block_on_disk(tmp_path, monkeypa
         assert release.wait(10)
 
     monkeypatch.setattr(SlabFiles, "write", blocking_write)
-    tier = tier_at(tmp_path / "nvme")
+    tier = tier_at(tmp_path / "nvme", c_io=False)  # the C IO threads' case: test_nvme_c_io.py
     put = tier.put(h("a"), None, data_of("a"))
     assert started.wait(10)
     assert headers(slab0(tier))[0].block_hash == h("a")  # on disk, not yet in the index

@@ -130,6 +130,12 @@ class SlabFiles:
         if os.pwritev(self._fd(k), bufs, offset) != sum(len(b) for b in bufs):
             raise OSError(errno.EIO, f"short write of slots from {slot}")
 
+    def fd_at(self, slot: int) -> tuple[int, int]:
+        """The open slab file holding a slot, and the slot's offset in it (the slab is created here
+        on its first use), for IO done elsewhere (io_pool.py)."""
+        k, offset = self.geometry.locate(slot)
+        return self._fd(k), offset
+
     def read(self, slot: int, buf: torch.Tensor) -> None:
         """One pread of a whole slot into an aligned buffer [slot_bytes]."""
         k, offset = self.geometry.locate(slot)

@@ -8,12 +8,14 @@ off them meanwhile, and does the bookkeeping before and after.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvstrata.tiering.block_file import ALIGN, BlockHeader
 from kvstrata.tiering.disk_io import aligned_buffer, io_buffer
+from kvstrata.tiering.io_pool import IoPool
 from kvstrata.tiering.slab import SlabFiles
 from kvstrata.tiering.slot_codec import stage, stashed_crc, unstage
 
@@ -122,22 +124,47 @@ class SlotIO:
                 and header.shape == self.block_shape and header.payload_len == self.payload_bytes)
 
     # -- writes ----------------------------------------------------------------------------------
+    def runs(self, writes: list[SlotWrite], limit: int | None = None) -> list[list[SlotWrite]]:
+        """The writes in slot order, cut into runs of adjacent slots (at most limit, default
+        max_run, and within one slab)."""
+        writes = sorted(writes, key=lambda w: w.slot)
+        slots = [w.slot for w in writes]
+        out = []
+        i = 0
+        while i < len(writes):
+            n = self.slabs.run_length(slots, i, limit or self.max_run)
+            out.append(writes[i:i + n])
+            i += n
+        return out
+
     def write(self, writes: list[SlotWrite]) -> set[int]:
         """Write every block into its slot, each run of adjacent slots in one pwrite; the slots
         written. An IO error fails its own run's writes, not the others'."""
-        writes = sorted(writes, key=lambda w: w.slot)
-        slots = [w.slot for w in writes]
         written: set[int] = set()
-        i = 0
-        while i < len(writes):
-            n = self.slabs.run_length(slots, i, self.max_run)
+        for run in self.runs(writes):
             try:
-                self._write_run(writes[i:i + n])
-                written.update(slots[i:i + n])
+                self._write_run(run)
+                written.update(w.slot for w in run)
             except Exception:  # noqa: BLE001 - whatever went wrong, these slots may hold anything now
                 pass
-            i += n
         return written
+
+    def submit_run(self, run: list[SlotWrite], pool: IoPool, done: Callable[[bool], None]) -> None:
+        """Queue a run (see runs) of blocks all staged in their own write buffers on the IO pool, as
+        one pwritev; done(written) on the pool's reaper thread, or here if it cannot be queued."""
+        size = self.slabs.geometry.slot_bytes
+        self._heads_into_staged(run)
+        fd, offset = self.slabs.fd_at(run[0].slot)
+        try:
+            pool.submit(fd, True, offset, [(w.staged.data_ptr(), size) for w in run], lambda err: done(err == 0))
+        except OSError:
+            done(False)
+
+    def _heads_into_staged(self, run: list[SlotWrite]) -> None:
+        """Each staged block's head, its payload CRC taken from where staging stashed it."""
+        for w in run:
+            head = self._header(w, stashed_crc(w.staged)).pack()
+            memoryview(w.staged.numpy())[:len(head)] = head
 
     def _write_run(self, run: list[SlotWrite]) -> None:
         """Adjacent slots, staged one after another in this thread's aligned buffer, in one pwrite;
@@ -147,9 +174,7 @@ class SlotIO:
                      0                        S             2S
         """
         if all(w.staged is not None for w in run):  # staged as they left DRAM: only the headers are left
-            for w in run:
-                head = self._header(w, stashed_crc(w.staged)).pack()
-                memoryview(w.staged.numpy())[:len(head)] = head
+            self._heads_into_staged(run)
             self.slabs.write_run(run[0].slot, [memoryview(w.staged.numpy()) for w in run])
             return
         size = self.slabs.geometry.slot_bytes  # S

@@ -55,10 +55,14 @@ class StagedCopies:
         if p + n < buf.numel():
             buf[p + n:].zero_()
         stash_crc(buf, crc)
-        staged = payload.view(self.dtype).view(self.block_shape)
+        staged = self.payload(buf)
         with self._lock:
             self._out[staged.data_ptr()] = buf
         return staged
+
+    def payload(self, buf: torch.Tensor) -> torch.Tensor:
+        """The block staged in a write buffer, as a view of it."""
+        return buf[self.offset:self.offset + self.payload_bytes].view(self.dtype).view(self.block_shape)
 
     def claim(self, data: torch.Tensor) -> torch.Tensor | None:
         """The write buffer `data` was staged in (now the caller's to write and give back), or None

@@ -118,6 +118,18 @@ class CpuKernels:
         lib.kvs_int4_write_values.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + rows + [ctypes.c_void_p]
         lib.kvs_codes_write.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + rows + [ctypes.c_int, ctypes.c_float]
         lib.kvs_int4_write_values.restype = lib.kvs_codes_write.restype = None
+        lib.kvs_io_pool_new.argtypes = [ctypes.c_int, ctypes.c_int64]  # the NVMe tier's IO threads (csrc/io_pool.c)
+        lib.kvs_io_pool_new.restype = ctypes.c_void_p
+        for f in (lib.kvs_io_pool_threads, lib.kvs_io_pool_short_slice_threads, lib.kvs_io_pool_close,
+                  lib.kvs_io_pool_free):
+            f.argtypes = [ctypes.c_void_p]
+        lib.kvs_io_pool_threads.restype = lib.kvs_io_pool_short_slice_threads.restype = ctypes.c_int
+        lib.kvs_io_pool_close.restype = lib.kvs_io_pool_free.restype = None
+        lib.kvs_io_submit.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        lib.kvs_io_submit.restype = ctypes.c_int
+        lib.kvs_io_reap.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_double]
+        lib.kvs_io_reap.restype = ctypes.c_int
         lib.kvs_crc32_fast.argtypes = []
         lib.kvs_crc32_fast.restype = ctypes.c_int
         # whether crc32 beats zlib's here (carry-less multiplies); without, the same values, slower

@@ -1,0 +1,311 @@
+"""The NVMe tier's writes on C threads (tiering/io_pool.py, worker/csrc/io_pool.c).
+
+The pool alone: real pwritev / preadv with their errors, callbacks on the reaper, close. The tier
+with c_io: a burst goes out as runs of adjacent slots straight from the write buffers, a failed run
+fails only its own writes, a write discarded in flight leaves nothing on disk, blocks not staged
+are staged at the put, and nothing is left behind: threads, write buffers, pending writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from kvstrata.tiering import nvme
+from kvstrata.tiering.io_pool import IoPool
+from kvstrata.worker.cpu_kernels import load_cpu_kernels
+from tests.test_nvme_tier import SLOT, data_of, erased, h, headers, offset_of, same, slab0, tier_at
+
+KERNELS = load_cpu_kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None or not KERNELS.crc32_fast,
+                                   reason="the C IO threads need the C kernels with their fast CRC-32")
+pytestmark = needs_kernels
+
+
+def io_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(("kvstrata-io", "kvstrata-nvme-io"))]
+
+
+class Done:
+    """Callbacks that record their status, and wait for a count of them."""
+
+    def __init__(self):
+        self.errs: list[int] = []
+        self._cv = threading.Condition()
+
+    def __call__(self, err: int) -> None:
+        with self._cv:
+            self.errs.append(err)
+            self._cv.notify_all()
+
+    def wait(self, n: int) -> list[int]:
+        with self._cv:
+            assert self._cv.wait_for(lambda: len(self.errs) >= n, timeout=10)
+            return list(self.errs)
+
+
+# -- the pool alone ----------------------------------------------------------------------------------
+
+
+def test_the_pool_writes_and_reads_vectors_at_offsets(tmp_path):
+    pool = IoPool(KERNELS._lib, 3)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        src = torch.randint(0, 256, (3 * 4096,), dtype=torch.uint8)
+        dst = torch.zeros(3 * 4096, dtype=torch.uint8)
+        done = Done()
+        # two buffers into one write at 8192; then read back in one buffer
+        pool.submit(fd, True, 8192, [(src.data_ptr(), 4096), (src.data_ptr() + 4096, 2 * 4096)], done)
+        assert done.wait(1) == [0]
+        pool.submit(fd, False, 8192, [(dst.data_ptr(), 3 * 4096)], done)
+        assert done.wait(2) == [0, 0]
+        assert torch.equal(src, dst)
+        assert os.path.getsize(tmp_path / "f") == 8192 + 3 * 4096
+    finally:
+        pool.close()
+        os.close(fd)
+
+
+def test_io_errors_reach_the_callback_as_errnos(tmp_path):
+    pool = IoPool(KERNELS._lib, 2)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    os.write(fd, b"x" * 100)
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    try:
+        done = Done()
+        pool.submit(fd, False, 0, [(buf.data_ptr(), 4096)], done)  # only 100 bytes there: short
+        assert done.wait(1) == [errno.EIO]
+        bad_fd = os.open(tmp_path / "g", os.O_RDWR | os.O_CREAT, 0o600)
+        os.close(bad_fd)
+        pool.submit(bad_fd, True, 0, [(buf.data_ptr(), 10)], done)
+        assert done.wait(2)[1] == errno.EBADF
+        with pytest.raises(OSError, match="queue"):
+            pool.submit(fd, True, 0, [], done)  # no buffers: EINVAL, never queued
+        assert len(done.errs) == 2
+    finally:
+        pool.close()
+        os.close(fd)
+
+
+def test_a_failing_callback_does_not_stop_the_others(tmp_path, caplog):
+    pool = IoPool(KERNELS._lib, 1)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    done = Done()
+
+    def buggy(err: int) -> None:
+        raise RuntimeError("injected")
+
+    try:
+        pool.submit(fd, True, 0, [(buf.data_ptr(), 4096)], buggy)
+        pool.submit(fd, True, 4096, [(buf.data_ptr(), 4096)], done)
+        assert done.wait(1) == [0]
+    finally:
+        pool.close()
+        os.close(fd)
+    assert "an IO completion callback failed" in caplog.text
+
+
+def test_close_finishes_what_was_queued_then_refuses_and_leaves_no_thread(tmp_path):
+    before = io_threads()
+    pool = IoPool(KERNELS._lib, 2, name="kvstrata-io-test")
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    bufs = [torch.full((65536,), i, dtype=torch.uint8) for i in range(16)]
+    done = Done()
+    for i, b in enumerate(bufs):
+        pool.submit(fd, True, i * 65536, [(b.data_ptr(), 65536)], done)
+    pool.close()  # returns once every callback has run
+    assert done.errs == [0] * 16
+    with pytest.raises(OSError, match="closed"):
+        pool.submit(fd, True, 0, [(bufs[0].data_ptr(), 10)], done)
+    pool.close()  # again: nothing
+    os.close(fd)
+    assert io_threads() == before
+    with open(tmp_path / "f", "rb") as f:
+        assert all(f.read(65536) == bytes([i]) * 65536 for i in range(16))
+
+
+def test_close_from_a_callback_returns_and_the_pool_still_ends(tmp_path):
+    pool = IoPool(KERNELS._lib, 1, name="kvstrata-io-test")
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    closed = threading.Event()
+
+    def close_here(err: int) -> None:
+        pool.close()
+        closed.set()
+
+    pool.submit(fd, True, 0, [(buf.data_ptr(), 4096)], close_here)
+    assert closed.wait(10)
+    deadline = time.monotonic() + 10
+    while "kvstrata-io-test-reaper" in io_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "kvstrata-io-test-reaper" not in io_threads()
+    os.close(fd)
+
+
+def test_bad_pool_arguments():
+    with pytest.raises(ValueError, match="num_threads"):
+        IoPool(KERNELS._lib, 0)
+    with pytest.raises(ValueError, match="num_threads"):
+        IoPool(KERNELS._lib, 65)
+
+
+# -- the tier ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def submitted(monkeypatch):
+    """Every IO the tiers queue on their pools, as (offset in its slab, buffers)."""
+    ios: list[tuple[int, int]] = []
+    submit = IoPool.submit
+
+    def recording(self, fd, write, offset, buffers, done):
+        ios.append((offset, len(buffers)))
+        return submit(self, fd, write, offset, buffers, done)
+
+    monkeypatch.setattr(IoPool, "submit", recording)
+    return ios
+
+
+def test_c_io_is_the_default_where_the_kernels_stage_and_can_be_turned_off(tmp_path, monkeypatch):
+    tier = tier_at(tmp_path / "a")
+    assert tier.stats()["c_io"] is True
+    tier.close()
+    monkeypatch.setenv("KVSTRATA_NVME_C_IO", "0")
+    tier = tier_at(tmp_path / "b")
+    assert tier.stats()["c_io"] is False
+    tier.close()
+    monkeypatch.setenv("KVSTRATA_NVME_C_IO", "yes")
+    with pytest.raises(ValueError, match="KVSTRATA_NVME_C_IO"):
+        tier_at(tmp_path / "c")
+
+
+def test_c_io_true_without_staging_is_refused(tmp_path, monkeypatch):
+    from kvstrata.worker import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)  # as where no compiler is
+    with pytest.raises(ValueError, match="c_io"):
+        tier_at(tmp_path / "nvme", c_io=True)
+    tier = tier_at(tmp_path / "nvme")  # the default falls back to the Python IO threads
+    assert tier.stats()["c_io"] is False
+    tier.close()
+
+
+def test_a_burst_goes_out_in_runs_of_adjacent_slots_from_its_write_buffers(tmp_path, monkeypatch, submitted):
+    monkeypatch.setattr(nvme, "RUN_BYTES", 3 * SLOT)
+    names = [f"b{i}" for i in range(8)]
+    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=2, c_io=True)
+    copies = [tier.staged_copy(data_of(n)) for n in names]
+    futures = tier.put_many([(h(n), None, c) for n, c in zip(names, copies)])
+    assert [f.result(timeout=10) for f in futures] == [True] * 8
+    assert sorted(submitted) == [(0, 3), (3 * SLOT, 3), (6 * SLOT, 2)]  # free slots go lowest first
+    # a burst too small to give each thread a full run is cut into one run per thread
+    more = [f"c{i}" for i in range(4)]
+    futures = tier.put_many([(h(n), None, data_of(n)) for n in more])
+    assert [f.result(timeout=10) for f in futures] == [True] * 4
+    assert sorted(submitted)[3:] == [(8 * SLOT, 2), (10 * SLOT, 2)]
+    assert [offset_of(tier, h(n)) for n in names] == [i * SLOT for i in range(8)]
+    assert all(same(got, data_of(n)) for n, got in zip(names, tier.get_many([h(n) for n in names]).result()))
+    assert tier.num_staged == 0 and tier.num_pending_writes == 0  # every write buffer back in the pool
+    tier.check_integrity()
+    tier.close()
+    again = tier_at(tmp_path / "nvme", capacity=16 * SLOT)  # the same format: a restart finds them
+    assert all(same(got, data_of(n)) for n, got in zip(names, again.get_many([h(n) for n in names]).result()))
+    again.close()
+
+
+def test_blocks_not_staged_are_staged_at_the_put(tmp_path):
+    tier = tier_at(tmp_path / "nvme", capacity=8 * SLOT, c_io=True)
+    data = data_of("a")
+    strided = torch.stack([data_of("b"), data_of("b")], dim=-1)[..., 0]  # not contiguous
+    assert not strided.is_contiguous()
+    fa, fb = tier.put_many([(h("a"), None, data), (h("b"), None, strided)])
+    data.zero_()  # the caller's tensor is free once put returns: the tier copied it
+    assert fa.result(timeout=10) and fb.result(timeout=10)
+    assert same(tier.get(h("a")).result(), data_of("a")) and same(tier.get(h("b")).result(), data_of("b"))
+    assert tier.num_staged == 0
+    tier.check_integrity()
+    tier.close()
+
+
+def test_a_failed_run_fails_only_its_own_writes(tmp_path, monkeypatch):
+    monkeypatch.setattr(nvme, "RUN_BYTES", 2 * SLOT)
+    submit = IoPool.submit
+
+    def failing_second_run(self, fd, write, offset, buffers, done):
+        if offset == 2 * SLOT:  # a real IO error from the C thread: a closed descriptor
+            bad = os.open(os.devnull, os.O_RDONLY)
+            os.close(bad)
+            fd = bad
+        return submit(self, fd, write, offset, buffers, done)
+
+    monkeypatch.setattr(IoPool, "submit", failing_second_run)
+    names = [f"b{i}" for i in range(6)]
+    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, c_io=True)
+    futures = tier.put_many([(h(n), None, data_of(n)) for n in names])
+    assert [f.result(timeout=10) for f in futures] == [True, True, False, False, True, True]
+    assert tier.stats()["write_failures"] == 2
+    tier.flush()
+    assert {n for n in names if h(n) in tier} == {"b0", "b1", "b4", "b5"}
+    assert tier.num_staged == 0
+    tier.check_integrity()
+    tier.close()
+
+
+def test_a_run_that_cannot_be_queued_fails_its_writes(tmp_path, monkeypatch):
+    def refused(self, fd, write, offset, buffers, done):
+        raise OSError(errno.ENOMEM, "could not queue an IO")
+
+    monkeypatch.setattr(IoPool, "submit", refused)
+    tier = tier_at(tmp_path / "nvme", capacity=8 * SLOT, c_io=True)
+    assert tier.put(h("a"), None, data_of("a")).result(timeout=10) is False
+    assert len(tier) == 0 and tier.num_pending_writes == 0 and tier.num_staged == 0
+    tier.check_integrity()
+    tier.close()
+
+
+def test_a_write_discarded_in_flight_leaves_no_block_on_disk(tmp_path, monkeypatch):
+    held: list = []
+    submit = IoPool.submit
+
+    def holding(self, fd, write, offset, buffers, done):
+        def finish(err: int) -> None:
+            held.append(lambda: done(err))  # the IO is done; its completion waits for the test
+
+        return submit(self, fd, write, offset, buffers, finish)
+
+    monkeypatch.setattr(IoPool, "submit", holding)
+    tier = tier_at(tmp_path / "nvme", c_io=True)
+    put = tier.put(h("a"), None, data_of("a"))
+    deadline = time.monotonic() + 10
+    while not held and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert held and headers(slab0(tier))[0].block_hash == h("a")  # on disk, not yet in the index
+    assert h("a") not in tier and tier.discard(h("a")) is True
+    held.pop()()
+    assert put.result(timeout=10) is False
+    assert erased(slab0(tier), 0) and len(tier) == 0 and tier.num_staged == 0
+    tier.check_integrity()
+    tier.close()
+    again = tier_at(tmp_path / "nvme")
+    assert len(again) == 0
+    again.close()
+
+
+def test_close_waits_for_the_writes_and_stops_the_io_threads(tmp_path):
+    before = io_threads()
+    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, c_io=True)
+    assert len(io_threads()) == len(before) + 1  # the reaper (the C threads are not Python's)
+    futures = tier.put_many([(h(f"b{i}"), None, data_of(f"b{i}")) for i in range(10)])
+    tier.close()
+    assert all(f.done() and f.result() for f in futures)
+    assert io_threads() == before
+    again = tier_at(tmp_path / "nvme", capacity=16 * SLOT)
+    assert len(again) == 10
+    again.close()
