@@ -3,7 +3,9 @@
 The pool alone: real pwritev / preadv with their errors, callbacks on the reaper, close. The tier
 with c_io: a burst goes out as runs of adjacent slots straight from the write buffers, a failed run
 fails only its own writes, a write discarded in flight leaves nothing on disk, blocks not staged
-are staged at the put, and nothing is left behind: threads, write buffers, pending writes.
+are staged at the put; get_many reads runs in one preadv each, a failed run slot by slot, a bad
+slot alone is a miss; and nothing is left behind: threads, write buffers, pending writes, slots
+marked as being read.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import torch
 from kvstrata.tiering import nvme
 from kvstrata.tiering.io_pool import IoPool
 from kvstrata.worker.cpu_kernels import load_cpu_kernels
-from tests.test_nvme_tier import SLOT, data_of, erased, h, headers, offset_of, same, slab0, tier_at
+from kvstrata.tiering.block_file import ALIGN
+from kvstrata.tiering.slab import SlabFiles
+from tests.test_nvme_runs import NAMES, filled, no_slot_being_read
+from tests.test_nvme_tier import SLOT, data_of, erased, h, headers, offset_of, patch, same, slab0, slot_bytes, tier_at
 
 KERNELS = load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None or not KERNELS.crc32_fast,
@@ -309,3 +314,80 @@ def test_close_waits_for_the_writes_and_stops_the_io_threads(tmp_path):
     again = tier_at(tmp_path / "nvme", capacity=16 * SLOT)
     assert len(again) == 10
     again.close()
+
+
+# -- reads -------------------------------------------------------------------------------------------
+
+
+def test_get_many_reads_each_run_of_adjacent_slots_in_one_preadv(tmp_path, submitted):
+    tier = filled(tmp_path, num_io_threads=2, c_io=True)
+    submitted.clear()
+    asked = ["b6", "b1", "zz", "b0", "b2", "b7", "b5"]  # shuffled, a miss, b3 and b4 left out
+    got = tier.get_many([h(n) for n in asked]).result(timeout=10)
+    assert got[2] is None and all(same(g, data_of(n)) for n, g in zip(asked, got) if n != "zz")
+    # sorted slots 0 1 2 5 6 7, a run of at most three per thread: 0-2 and 5-7
+    assert sorted(submitted) == [(0, 3), (5 * SLOT, 3)]
+    assert no_slot_being_read(tier)
+    tier.check_integrity()
+    tier.close()
+
+
+def test_a_bad_slot_inside_a_c_run_is_the_only_miss(tmp_path, submitted):
+    tier = filled(tmp_path, num_io_threads=1, c_io=True)
+    submitted.clear()
+    in_payload = offset_of(tier, h("b4")) + ALIGN + 10
+    patch(slab0(tier), in_payload, bytes([slot_bytes(slab0(tier), in_payload, 1)[0] ^ 0xFF]))
+    got = tier.get_many([h(n) for n in NAMES]).result(timeout=10)
+    assert submitted == [(0, len(NAMES))]
+    assert [g is not None for g in got] == [n != "b4" for n in NAMES]
+    assert h("b4") not in tier and tier.stats()["checksum_failures"] == 1
+    tier.check_integrity()
+    tier.close()
+
+
+def test_a_c_run_whose_read_fails_is_read_slot_by_slot(tmp_path, monkeypatch):
+    tier = filled(tmp_path, num_io_threads=1, c_io=True)
+    submit, read, singles = IoPool.submit, SlabFiles.read, []
+
+    def failing_reads(self, fd, write, offset, buffers, done):
+        if not write:
+            fd = os.open(os.devnull, os.O_RDONLY)
+            os.close(fd)  # a real EBADF from the C thread
+        return submit(self, fd, write, offset, buffers, done)
+
+    def counting_read(self, slot, buf):
+        singles.append(slot)
+        if slot == 3:
+            raise OSError(errno.EIO, "injected")
+        return read(self, slot, buf)
+
+    monkeypatch.setattr(IoPool, "submit", failing_reads)
+    monkeypatch.setattr(SlabFiles, "read", counting_read)
+    got = tier.get_many([h(n) for n in NAMES]).result(timeout=10)
+    assert singles == list(range(len(NAMES)))
+    assert [g is not None for g in got] == [n != "b3" for n in NAMES]
+    assert h("b3") not in tier and len(tier) == len(NAMES) - 1 and no_slot_being_read(tier)
+    tier.check_integrity()
+    tier.close()
+
+
+def test_a_bug_in_a_c_runs_check_reaches_the_caller_and_every_slot_is_let_go(tmp_path, monkeypatch):
+    monkeypatch.setattr(nvme, "RUN_BYTES", SLOT)
+    tier = filled(tmp_path, num_io_threads=1, c_io=True)
+    calls, real = [], nvme.SlotIO.check_run
+
+    def third_fails(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return real(self, *args)
+
+    monkeypatch.setattr(nvme.SlotIO, "check_run", third_fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        tier.get_many([h(n) for n in NAMES]).result(timeout=10)
+    assert no_slot_being_read(tier)
+    monkeypatch.setattr(nvme.SlotIO, "check_run", real)
+    got = tier.get_many([h(n) for n in NAMES]).result(timeout=10)
+    assert all(same(g, data_of(n)) for n, g in zip(NAMES, got))
+    tier.check_integrity()
+    tier.close()

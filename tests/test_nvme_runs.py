@@ -124,7 +124,9 @@ def recorded_reads(monkeypatch):
 
 
 def filled(tmp_path, n: int = len(NAMES), **kw):
-    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, **kw)
+    """A tier with NAMES[:n] in slots 0, 1, ...; reads on the Python IO threads unless kw says (the
+    C IO threads' runs: test_nvme_c_io.py)."""
+    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, **{"c_io": False, **kw})
     for name in NAMES[:n]:
         assert tier.put(h(name), None, data_of(name)).result() is True  # one by one: slots 0, 1, ...
     return tier

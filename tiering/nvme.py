@@ -401,8 +401,10 @@ class NvmeTier:
                     out[i] = found
             ordered = sorted(to_read, key=lambda r: r[2].slot)
             share = -(-len(ordered) // self.num_io_threads) if ordered else 1
-            batches = [ordered[k:k + share] for k in range(0, len(ordered), share)]
+            batches = [ordered[k:k + share] for k in range(0, len(ordered), share)] if self._pool is None else []
             futures = [self._executor.submit(self._read_sorted, batch, out, False) for batch in batches]
+        if self._pool is not None and ordered:
+            futures = self._submit_reads(ordered, out)
         if not futures:
             return _done(out)
         result: Future = Future()
@@ -447,9 +449,9 @@ class NvmeTier:
             self._counters.misses += 1
         return entry
 
-    def _read_sorted(self, batch: list[_ToRead], out: list, touch: bool) -> None:
-        """Read blocks in slot order into `out`: those still indexed, each run of adjacent slots in one
-        preadv; a read that finds its block evicted or discarded since the lookup is a miss."""
+    def _begin_reads(self, batch: list[_ToRead]) -> list[_ToRead]:
+        """Those of batch still indexed, each slot marked as being read; a block evicted or
+        discarded since the lookup is a miss."""
         with self._lock:
             reading = []
             for item in batch:
@@ -458,13 +460,41 @@ class NvmeTier:
                     reading.append(item)
                 else:
                     self._counters.misses += 1
-        slots = [entry.slot for _, _, entry in reading]
-        runs = []
-        i = 0
-        while i < len(reading):
-            n = self._slabs.run_length(slots, i, self._io.max_run)
-            runs.append(reading[i:i + n])
-            i += n
+        return reading
+
+    def _submit_reads(self, batch: list[_ToRead], out: list) -> list[Future]:
+        """With C IO, on the caller's thread: begin the reads and queue each run of adjacent slots on
+        the IO pool as one preadv (as many runs as threads where the batch allows); a future per
+        run, resolved on the reaper once the run is checked and its slots let go."""
+        reading = self._begin_reads(batch)
+        limit = min(self._io.max_run, -(-len(reading) // self.num_io_threads)) if reading else 1
+        futures = []
+        for run in self._io.runs(reading, limit, slot_of=lambda r: r[2].slot):
+            future: Future = Future()
+            futures.append(future)
+            start = self._read_clock.begin()
+
+            def done(bufs: list[torch.Tensor], read_ok: list[bool], run: list[_ToRead] = run, start: float = start,
+                     future: Future = future) -> None:
+                try:
+                    self._check_run(run, bufs, read_ok, out, False, start)
+                except BaseException as e:  # a bug in a check reaches the caller's future
+                    future.set_exception(e)
+                else:
+                    future.set_result(None)
+
+            try:
+                self._io.submit_read([entry.slot for _, _, entry in run], self._pool, done)
+            except BaseException as e:  # a bug or MemoryError: this run is let go as misses
+                self._let_go(run, None, out, False, start)
+                future.set_exception(e)
+        return futures
+
+    def _read_sorted(self, batch: list[_ToRead], out: list, touch: bool) -> None:
+        """Read blocks in slot order into `out`: those still indexed, each run of adjacent slots in one
+        preadv; a read that finds its block evicted or discarded since the lookup is a miss."""
+        reading = self._begin_reads(batch)
+        runs = self._io.runs(reading, slot_of=lambda r: r[2].slot)
         # each run but the last is checked by a checker thread while this thread reads the next
         checks: list[Future] = []
         done = 0

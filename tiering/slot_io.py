@@ -124,16 +124,16 @@ class SlotIO:
                 and header.shape == self.block_shape and header.payload_len == self.payload_bytes)
 
     # -- writes ----------------------------------------------------------------------------------
-    def runs(self, writes: list[SlotWrite], limit: int | None = None) -> list[list[SlotWrite]]:
-        """The writes in slot order, cut into runs of adjacent slots (at most limit, default
-        max_run, and within one slab)."""
-        writes = sorted(writes, key=lambda w: w.slot)
-        slots = [w.slot for w in writes]
+    def runs(self, items: list, limit: int | None = None, slot_of: Callable = lambda w: w.slot) -> list[list]:
+        """Items (SlotWrites, or anything with slot_of) in slot order, cut into runs of adjacent
+        slots (at most limit, default max_run, and within one slab)."""
+        items = sorted(items, key=slot_of)
+        slots = [slot_of(x) for x in items]
         out = []
         i = 0
-        while i < len(writes):
+        while i < len(items):
             n = self.slabs.run_length(slots, i, limit or self.max_run)
-            out.append(writes[i:i + n])
+            out.append(items[i:i + n])
             i += n
         return out
 
@@ -205,7 +205,26 @@ class SlotIO:
             self.slabs.read_run(slots[0], bufs)
             return bufs, [True] * len(slots)
         except (OSError, ValueError):
-            return bufs, [self._try_read(slot, buf) for slot, buf in zip(slots, bufs)]
+            return bufs, self.read_each(slots, bufs)
+
+    def submit_read(self, slots: list[int], pool: IoPool, done: Callable[[list[torch.Tensor], list[bool]], None]) -> None:
+        """read_raw on the IO pool: adjacent slots in one preadv, queued; done(bufs, read_ok) on the
+        pool's reaper thread (or here, if it cannot be queued). If the preadv fails, the slots are
+        read one by one there, so that only a bad slot is lost."""
+        bufs = [self.buffers.take() for _ in slots]
+        fd, offset = self.slabs.fd_at(slots[0])
+
+        def ended(err: int) -> None:
+            done(bufs, [True] * len(slots) if err == 0 else self.read_each(slots, bufs))
+
+        try:
+            pool.submit(fd, False, offset, [(b.data_ptr(), b.numel()) for b in bufs], ended)
+        except OSError:
+            ended(1)
+
+    def read_each(self, slots: list[int], bufs: list[torch.Tensor]) -> list[bool]:
+        """Each slot in its own pread; whether each was read."""
+        return [self._try_read(slot, buf) for slot, buf in zip(slots, bufs)]
 
     def check_run(self, bufs: list[torch.Tensor], read_ok: list[bool],
                   hashes: list[bytes]) -> list[tuple[torch.Tensor | None, bool]]:
