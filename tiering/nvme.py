@@ -143,8 +143,9 @@ class NvmeTier:
         self._erased = threading.Condition(self._lock)  # notified when an erase ends, for close
         # pinned blocks (prompt-cache breakpoints) are never evicted; replaced whole by the tier manager
         self.pinned: frozenset[bytes] = frozenset()
-        # told (on an IO thread, under the tier's lock: keep it quick) which blocks left by eviction or
-        # as bad data; the KV events of the shared index hang here
+        # told (under the tier's lock, on the thread that takes a write or checks a read: an IO
+        # thread, or with C IO put_many's caller and the reaper; keep it quick) which blocks left by
+        # eviction or as bad data; the KV events of the shared index hang here
         self.on_evict: Callable[[list[bytes]], None] | None = None
         self._index = BlockIndex()
         self._pending: dict[bytes, _PendingWrite] = {}
@@ -386,9 +387,10 @@ class NvmeTier:
         return out[0]
 
     def get_many(self, hashes: list[bytes]) -> Future:
-        """Like get for each hash. The disk reads go in slot order, split into one share of adjacent
-        slots per IO thread, each run of adjacent slots in one preadv, checked on a checker thread
-        while the IO thread reads its next run."""
+        """Like get for each hash. The disk reads go in slot order, each run of adjacent slots in one
+        preadv: with C IO, each run queued here on the IO pool and checked on its reaper; else split
+        into one share per Python IO thread, each run checked on a checker thread while the IO
+        thread reads its next."""
         out: list[torch.Tensor | None] = [None] * len(hashes)
         to_read: list[tuple[int, bytes, IndexEntry]] = []
         with self._lock:
