@@ -391,3 +391,40 @@ def test_a_bug_in_a_c_runs_check_reaches_the_caller_and_every_slot_is_let_go(tmp
     assert all(same(g, data_of(n)) for n, g in zip(NAMES, got))
     tier.check_integrity()
     tier.close()
+
+
+# -- scripts/nvme_io_paths.py ------------------------------------------------------------------------
+
+
+def load_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "nvme_io_paths.py"
+    spec = importlib.util.spec_from_file_location("nvme_io_paths", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_io_paths_script_compares_both_paths_at_a_tiny_size(tmp_path, capsys):
+    from tests.test_nvme_tier import direct_io_works
+
+    if not direct_io_works(tmp_path):
+        pytest.skip(f"{tmp_path} has no O_DIRECT, so the probe has no reference")
+    script = load_script()
+    assert script.main([str(tmp_path / "disk"), "--rounds", "1", "--mb", "4"]) == 0
+    rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert set(rows) == {"Python", "C"}
+    for cells in rows.values():
+        medians = [float(cell.split()[0]) for cell in cells]
+        assert len(medians) == 3 and all(m > 0 for m in medians)
+    assert nvme.NvmeTier.__name__ == "NvmeTier"  # the script put the real class back
+    assert not (tmp_path / "disk" / "tier-probe").exists()
+
+
+def test_the_io_paths_script_refuses_bad_arguments(tmp_path):
+    script = load_script()
+    for bad in (["--rounds", "0"], ["--mb", "-1"]):
+        with pytest.raises(SystemExit):
+            script.main([str(tmp_path), *bad])
