@@ -428,3 +428,14 @@ def test_the_io_paths_script_refuses_bad_arguments(tmp_path):
     for bad in (["--rounds", "0"], ["--mb", "-1"]):
         with pytest.raises(SystemExit):
             script.main([str(tmp_path), *bad])
+
+
+def test_stats_count_the_c_threads_time_in_their_syscalls(tmp_path):
+    tier = tier_at(tmp_path / "nvme", capacity=8 * SLOT, c_io=True)
+    assert tier.stats()["c_io_syscall_seconds"] == 0.0
+    assert all(f.result(timeout=10) for f in tier.put_many([(h(n), None, data_of(n)) for n in "abcd"]))
+    after_writes = tier.stats()["c_io_syscall_seconds"]
+    assert after_writes > 0.0
+    assert all(b is not None for b in tier.get_many([h(n) for n in "abcd"]).result(timeout=10))
+    assert tier.stats()["c_io_syscall_seconds"] > after_writes
+    tier.close()

@@ -1,4 +1,4 @@
-"""The NVMe tier's IO on C threads (worker/csrc/io_pool.c), for writes.
+"""The NVMe tier's IO on C threads (worker/csrc/io_pool.c): its slot writes and its loads' reads.
 
 With Python IO threads, every IO ends in a thread that needs the GIL (and a core) before it can
 start the next one, and every burst starts by waking one. Here the caller submits each run of
@@ -106,8 +106,8 @@ class IoPool:
                 self._pool = None
 
 
-def writes_pool(c_io: bool | None, kernels, num_threads: int, slice_us: int) -> IoPool | None:
-    """The NVMe tier's C IO threads for its writes, or None for its Python IO threads. kernels: the
+def nvme_pool(c_io: bool | None, kernels, num_threads: int, slice_us: int) -> IoPool | None:
+    """The NVMe tier's C IO threads, or None for its Python IO threads. kernels: the
     C kernels where they stage blocks for the tier (slot_stage.py), else None. c_io None takes
     KVSTRATA_NVME_C_IO (default 1) where there are kernels; True requires them (ValueError)."""
     if c_io is None:

@@ -37,7 +37,7 @@ import torch
 
 from kvstrata.tiering.block_file import MAX_HASH_BYTES, MAX_HEADER_BYTES, max_head_len
 from kvstrata.tiering.disk_io import O_DIRECT, BusyClock, io_slice_us, request_short_slice, supports_direct_io
-from kvstrata.tiering.io_pool import writes_pool
+from kvstrata.tiering.io_pool import nvme_pool
 from kvstrata.tiering.nvme_index import BlockIndex, IndexEntry
 from kvstrata.tiering.slab import SLAB_BYTES, SlabFiles, SlabGeometry
 from kvstrata.tiering.slab_scan import check_disk, rebuild
@@ -176,9 +176,9 @@ class NvmeTier:
                               max(1, RUN_BYTES // self.geometry.slot_bytes), self._read_buffers)
             self._staged = StagedCopies(self.geometry.slot_bytes, head_bytes, dtype, shape, self.payload_bytes,
                                         max(8, STAGED_BUFFER_BYTES // self.geometry.slot_bytes))
-            # writes on C threads (io_pool.py) where the C kernels stage blocks, else on the executor
-            self._pool = writes_pool(c_io, self._staged.kernels if self._staged.enabled else None, num_io_threads,
-                                     self.io_slice_us)
+            # writes and loads on C threads (io_pool.py) where the C kernels stage blocks, else on the executor
+            self._pool = nvme_pool(c_io, self._staged.kernels if self._staged.enabled else None, num_io_threads,
+                                   self.io_slice_us)
             self._executor = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kvstrata-nvme",
                                                 initializer=self._start_io_thread)
             # checks blocks an IO thread has read while it reads its next ones (_read_sorted)
@@ -234,6 +234,7 @@ class NvmeTier:
                     "slab_files": self._slabs.num_files, "short_slice_io_threads": self._short_slice_threads + (
                         self._pool.short_slice_threads if self._pool is not None else 0),
                     "c_io": self._pool is not None,
+                    "c_io_syscall_seconds": self._pool.io_seconds if self._pool is not None else 0.0,
                     **asdict(self._counters),
                     "read_busy_seconds": self._read_clock.seconds,
                     "write_busy_seconds": self._write_clock.seconds}
@@ -402,9 +403,11 @@ class NvmeTier:
                 else:
                     out[i] = found
             ordered = sorted(to_read, key=lambda r: r[2].slot)
-            share = -(-len(ordered) // self.num_io_threads) if ordered else 1
-            batches = [ordered[k:k + share] for k in range(0, len(ordered), share)] if self._pool is None else []
-            futures = [self._executor.submit(self._read_sorted, batch, out, False) for batch in batches]
+            futures = []
+            if self._pool is None:
+                share = self._even_share(len(ordered))
+                futures = [self._executor.submit(self._read_sorted, ordered[k:k + share], out, False)
+                           for k in range(0, len(ordered), share)]
         if self._pool is not None and ordered:
             futures = self._submit_reads(ordered, out)
         if not futures:
@@ -469,8 +472,8 @@ class NvmeTier:
         the IO pool as one preadv (as many runs as threads where the batch allows); a future per
         run, resolved on the reaper once the run is checked and its slots let go."""
         reading = self._begin_reads(batch)
-        limit = min(self._io.max_run, -(-len(reading) // self.num_io_threads)) if reading else 1
         futures = []
+        limit = min(self._io.max_run, self._even_share(len(reading)))
         for run in self._io.runs(reading, limit, slot_of=lambda r: r[2].slot):
             future: Future = Future()
             futures.append(future)
@@ -595,7 +598,7 @@ class NvmeTier:
             start = self._write_clock.begin()
         try:  # on a bug too, every write taken ends, committed or not, so flush does not hang
             with self._lock:
-                self._take(min(self._io.max_run, -(-len(self._queue) // self.num_io_threads)), taken)
+                self._take(min(self._io.max_run, self._even_share(len(self._queue))), taken)
             written = self._io.write([w for _, w in taken if w is not None])
             # no fsync: a slot torn by power loss fails its checksum and reads as a miss
         finally:
@@ -627,7 +630,7 @@ class NvmeTier:
             self._end_writes(skipped, set(), self._write_clock.begin())
         writes = [w for _, w in taken if w is not None]
         # as many runs as threads where the burst allows: one 3 MB write alone ran at 1.3 GB/s in the chat
-        runs = self._io.runs(writes, min(self._io.max_run, -(-len(writes) // self.num_io_threads)))
+        runs = self._io.runs(writes, min(self._io.max_run, self._even_share(len(writes))))
         for k, run in enumerate(runs):
             start = self._write_clock.begin()
 
@@ -643,6 +646,9 @@ class NvmeTier:
                     self._end_writes([(owner[w.slot], w) for w in rest], set(), self._write_clock.begin())
                 raise
 
+    def _even_share(self, n: int) -> int:
+        """Items per IO thread when n are split evenly among them (at least 1)."""
+        return max(1, -(-n // self.num_io_threads))
 
     def _end_writes(self, taken: list[tuple[_PendingWrite, SlotWrite | None]], written: set[int],
                     start: float) -> None:

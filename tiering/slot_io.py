@@ -207,7 +207,8 @@ class SlotIO:
         except (OSError, ValueError):
             return bufs, self.read_each(slots, bufs)
 
-    def submit_read(self, slots: list[int], pool: IoPool, done: Callable[[list[torch.Tensor], list[bool]], None]) -> None:
+    def submit_read(self, slots: list[int], pool: IoPool,
+                    done: Callable[[list[torch.Tensor], list[bool]], None]) -> None:
         """read_raw on the IO pool: adjacent slots in one preadv, queued; done(bufs, read_ok) on the
         pool's reaper thread (or here, if it cannot be queued). If the preadv fails, the slots are
         read one by one there, so that only a bad slot is lost."""
