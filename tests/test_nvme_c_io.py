@@ -36,6 +36,11 @@ def io_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith(("kvstrata-io", "kvstrata-nvme-io"))]
 
 
+def os_threads() -> int:
+    """The process's threads as the kernel counts them, C threads included."""
+    return len(os.listdir("/proc/self/task"))
+
+
 class Done:
     """Callbacks that record their status, and wait for a count of them."""
 
@@ -117,10 +122,11 @@ def test_a_failing_callback_does_not_stop_the_others(tmp_path, caplog):
 
 
 def test_close_finishes_what_was_queued_then_refuses_and_leaves_no_thread(tmp_path):
-    before = io_threads()
-    pool = IoPool(KERNELS._lib, 2, name="kvstrata-io-test")
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
-    bufs = [torch.full((65536,), i, dtype=torch.uint8) for i in range(16)]
+    bufs = [torch.full((65536,), i, dtype=torch.uint8) for i in range(16)]  # (torch may start its threads)
+    before, before_os = io_threads(), os_threads()
+    pool = IoPool(KERNELS._lib, 2, name="kvstrata-io-test")
+    assert os_threads() == before_os + 3  # two C threads and the reaper
     done = Done()
     for i, b in enumerate(bufs):
         pool.submit(fd, True, i * 65536, [(b.data_ptr(), 65536)], done)
@@ -130,7 +136,7 @@ def test_close_finishes_what_was_queued_then_refuses_and_leaves_no_thread(tmp_pa
         pool.submit(fd, True, 0, [(bufs[0].data_ptr(), 10)], done)
     pool.close()  # again: nothing
     os.close(fd)
-    assert io_threads() == before
+    assert io_threads() == before and os_threads() == before_os
     with open(tmp_path / "f", "rb") as f:
         assert all(f.read(65536) == bytes([i]) * 65536 for i in range(16))
 
@@ -304,13 +310,13 @@ def test_a_write_discarded_in_flight_leaves_no_block_on_disk(tmp_path, monkeypat
 
 
 def test_close_waits_for_the_writes_and_stops_the_io_threads(tmp_path):
-    before = io_threads()
+    before, before_os = io_threads(), os_threads()
     tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, c_io=True)
     assert len(io_threads()) == len(before) + 1  # the reaper (the C threads are not Python's)
     futures = tier.put_many([(h(f"b{i}"), None, data_of(f"b{i}")) for i in range(10)])
     tier.close()
     assert all(f.done() and f.result() for f in futures)
-    assert io_threads() == before
+    assert io_threads() == before and os_threads() == before_os  # the C threads and the executors' too
     again = tier_at(tmp_path / "nvme", capacity=16 * SLOT)
     assert len(again) == 10
     again.close()

@@ -951,9 +951,11 @@ def test_busy_seconds_are_the_time_any_io_thread_was_busy(tmp_path, direct_io):
 # -- threads -----------------------------------------------------------------------------------------
 
 
-def test_threads_never_see_torn_or_foreign_data(tmp_path, direct_io):
-    """Blocks i carry the value i*1000 + version everywhere: a read must be one whole version of i."""
-    tier = tier_at(tmp_path / "nvme", capacity=12 * SLOT, num_io_threads=3, direct_io=direct_io)
+@pytest.mark.parametrize("c_io", [None, False], ids=["c-io", "python-io"])
+def test_threads_never_see_torn_or_foreign_data(tmp_path, direct_io, c_io):
+    """Blocks i carry the value i*1000 + version everywhere: a read (get, or get_many of one or two
+    blocks) must be one whole version of i."""
+    tier = tier_at(tmp_path / "nvme", capacity=12 * SLOT, num_io_threads=3, direct_io=direct_io, c_io=c_io)
     hashes = [h(f"t{i}") for i in range(30)]
     errors: list[str] = []
 
@@ -972,16 +974,20 @@ def test_threads_never_see_torn_or_foreign_data(tmp_path, direct_io):
             if op < 0.45:
                 parent = hashes[i - 1] if i and rng.random() < 0.5 else None
                 pending.append(tier.put(hashes[i], parent, torch.full(SHAPE, float(i * 1000 + step % 7))))
+            elif op < 0.7:
+                pending.append(([i], tier.get(hashes[i])))
             elif op < 0.9:
-                pending.append((i, tier.get(hashes[i])))
+                ids = [i, rng.randrange(len(hashes))]
+                pending.append((ids, tier.get_many([hashes[k] for k in ids])))
             else:
                 tier.discard(hashes[i])
         for p in pending:
             if isinstance(p, tuple):
-                i, future = p
-                t = future.result()
-                if t is not None and not (t.eq(t.view(-1)[0]).all() and int(t.view(-1)[0]) // 1000 == i):
-                    errors.append(f"block {i} read back torn or foreign data")
+                ids, future = p
+                got = future.result()
+                for i, t in zip(ids, got if isinstance(got, list) else [got]):
+                    if t is not None and not (t.eq(t.view(-1)[0]).all() and int(t.view(-1)[0]) // 1000 == i):
+                        errors.append(f"block {i} read back torn or foreign data")
             elif p.result() not in (True, False):
                 errors.append(f"put resolved to {p.result()!r}")
 
