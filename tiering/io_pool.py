@@ -39,7 +39,6 @@ class IoPool:
         self._pool = lib.kvs_io_pool_new(num_threads, slice_us)
         if not self._pool:
             raise OSError(errno.EAGAIN, "could not start the IO pool's threads")
-        self.num_threads = lib.kvs_io_pool_threads(self._pool)
         self._callbacks: dict[int, Callable[[int], None]] = {}
         self._tags = itertools.count()
         self._lock = threading.Lock()

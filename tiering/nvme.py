@@ -624,26 +624,24 @@ class NvmeTier:
         taken: list[tuple[_PendingWrite, SlotWrite | None]] = []
         with self._lock:
             self._take(len(self._queue), taken)
-        owner = {w.slot: p for p, w in taken if w is not None}
         skipped = [(p, w) for p, w in taken if w is None]
         if skipped:
             self._end_writes(skipped, set(), self._write_clock.begin())
-        writes = [w for _, w in taken if w is not None]
+        writes = [(p, w) for p, w in taken if w is not None]
         # as many runs as threads where the burst allows: one 3 MB write alone ran at 1.3 GB/s in the chat
-        runs = self._io.runs(writes, min(self._io.max_run, self._even_share(len(writes))))
+        runs = self._io.runs(writes, min(self._io.max_run, self._even_share(len(writes))), slot_of=lambda t: t[1].slot)
         for k, run in enumerate(runs):
             start = self._write_clock.begin()
 
-            def done(written: bool, run: list[SlotWrite] = run, start: float = start) -> None:
-                self._end_writes([(owner[w.slot], w) for w in run], {w.slot for w in run} if written else set(),
-                                 start)
+            def done(written: bool, run: list = run, start: float = start) -> None:
+                self._end_writes(run, {w.slot for _, w in run} if written else set(), start)
 
             try:
-                self._io.submit_run(run, self._pool, done)
+                self._io.submit_run([w for _, w in run], self._pool, done)
             except BaseException:  # a bug or MemoryError: the runs not queued end as failed, so flush does not hang
                 done(False)
                 for rest in runs[k + 1:]:
-                    self._end_writes([(owner[w.slot], w) for w in rest], set(), self._write_clock.begin())
+                    self._end_writes(rest, set(), self._write_clock.begin())
                 raise
 
     def _even_share(self, n: int) -> int:

@@ -120,10 +120,9 @@ class CpuKernels:
         lib.kvs_int4_write_values.restype = lib.kvs_codes_write.restype = None
         lib.kvs_io_pool_new.argtypes = [ctypes.c_int, ctypes.c_int64]  # the NVMe tier's IO threads (csrc/io_pool.c)
         lib.kvs_io_pool_new.restype = ctypes.c_void_p
-        for f in (lib.kvs_io_pool_threads, lib.kvs_io_pool_short_slice_threads, lib.kvs_io_pool_close,
-                  lib.kvs_io_pool_free):
+        for f in (lib.kvs_io_pool_short_slice_threads, lib.kvs_io_pool_close, lib.kvs_io_pool_free):
             f.argtypes = [ctypes.c_void_p]
-        lib.kvs_io_pool_threads.restype = lib.kvs_io_pool_short_slice_threads.restype = ctypes.c_int
+        lib.kvs_io_pool_short_slice_threads.restype = ctypes.c_int
         lib.kvs_io_pool_close.restype = lib.kvs_io_pool_free.restype = None
         lib.kvs_io_submit.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
                                       ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]

@@ -157,8 +157,6 @@ void* kvs_io_pool_new(int num_threads, int64_t slice_us) {
     return p;
 }
 
-int kvs_io_pool_threads(void* pool) { return ((io_pool*)pool)->num_threads; }
-
 /* How many of the threads have been granted their short slice so far. */
 int kvs_io_pool_short_slice_threads(void* pool) {
     io_pool* p = pool;
