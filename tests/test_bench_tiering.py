@@ -123,6 +123,20 @@ def test_quick_run_loads_blocks_from_nvme(report):
 
 @pytest.mark.slow
 @needs_model
+def test_quick_run_moves_the_nvme_tiers_bytes_through_the_disk_in_lockstep(report):
+    nvme = report.config("nvme")
+    ref = nvme.chat_reference
+    assert ref is not None and report.config("dram").chat_reference is None
+    assert ref.write_bytes == nvme.tiers["nvme"]["bytes_written"] > 0
+    assert ref.read_bytes == nvme.tiers["nvme"]["bytes_read"] > 0
+    if nvme.tiers["nvme"]["direct_io"]:
+        assert ref.write_seconds > 0 and ref.read_seconds > 0
+        rows = {t.name for t in report.transfers()}
+        assert {"NVMe write in the chat", "NVMe read in the chat"} <= rows
+
+
+@pytest.mark.slow
+@needs_model
 def test_quick_run_probes_the_nvme_tier_alone_on_the_chat_layout(report):
     probe = report.tier_probe
     assert probe is not None and probe.num_blocks >= 2 and len(probe.rounds) == 3

@@ -208,6 +208,16 @@ def test_c_io_true_without_staging_is_refused(tmp_path, monkeypatch):
     tier.close()
 
 
+@pytest.mark.parametrize("n, run", [(0, 1), (3, 1), (8, 2), (20, 5), (21, 3), (45, 4), (100, 5), (101, 5)])
+def test_bursts_are_cut_into_runs_that_keep_every_thread_busy_to_the_end(tmp_path, monkeypatch, n, run):
+    """4 threads, runs of at most 5: up to 20 blocks, one run a thread; past that, runs of even length
+    in as few rounds as runs of 5 need (21 blocks: 7 runs of 3 in two rounds, not 5 + 5 + 5 + 5 + 1)."""
+    monkeypatch.setattr(nvme, "RUN_BYTES", 5 * SLOT)
+    tier = tier_at(tmp_path / "nvme", num_io_threads=4, c_io=True)
+    assert tier._run_limit(n) == run
+    tier.close()
+
+
 def test_a_burst_goes_out_in_runs_of_adjacent_slots_from_its_write_buffers(tmp_path, monkeypatch, submitted):
     monkeypatch.setattr(nvme, "RUN_BYTES", 3 * SLOT)
     names = [f"b{i}" for i in range(8)]
@@ -215,12 +225,14 @@ def test_a_burst_goes_out_in_runs_of_adjacent_slots_from_its_write_buffers(tmp_p
     copies = [tier.staged_copy(data_of(n)) for n in names]
     futures = tier.put_many([(h(n), None, c) for n, c in zip(names, copies)])
     assert [f.result(timeout=10) for f in futures] == [True] * 8
-    assert sorted(submitted) == [(0, 3), (3 * SLOT, 3), (6 * SLOT, 2)]  # free slots go lowest first
+    # free slots go lowest first; 8 blocks on 2 threads need two rounds of runs of at most 3, so
+    # runs of 2: two a thread (runs of 3 would leave one thread a third run alone)
+    assert sorted(submitted) == [(0, 2), (2 * SLOT, 2), (4 * SLOT, 2), (6 * SLOT, 2)]
     # a burst too small to give each thread a full run is cut into one run per thread
     more = [f"c{i}" for i in range(4)]
     futures = tier.put_many([(h(n), None, data_of(n)) for n in more])
     assert [f.result(timeout=10) for f in futures] == [True] * 4
-    assert sorted(submitted)[3:] == [(8 * SLOT, 2), (10 * SLOT, 2)]
+    assert sorted(submitted)[4:] == [(8 * SLOT, 2), (10 * SLOT, 2)]
     assert [offset_of(tier, h(n)) for n in names] == [i * SLOT for i in range(8)]
     assert all(same(got, data_of(n)) for n, got in zip(names, tier.get_many([h(n) for n in names]).result()))
     assert tier.num_staged == 0 and tier.num_pending_writes == 0  # every write buffer back in the pool

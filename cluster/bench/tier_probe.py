@@ -71,7 +71,7 @@ class TierProbe:
                 "segments": self.segments, "median_gb_per_s": gb, "rounds": [asdict(r) for r in self.rounds]}
 
 
-class _RawFile:
+class RawFile:
     """The reference: sequential O_DIRECT IO on a plain file, `step` bytes per call, from a page-aligned
     buffer of random bytes. Seconds per call; None throughout where the filesystem refuses O_DIRECT."""
 
@@ -140,7 +140,7 @@ def probe_nvme_tier(directory: Path, block_shape: tuple[int, ...], dtype: torch.
     for r in range(rounds):
         shutil.rmtree(tier_dir, ignore_errors=True)
         tier = NvmeTier(tier_dir, total, block_shape, dtype, layout_tag=_TAG)
-        raw = _RawFile(directory / RAW_FILE, clock)
+        raw = RawFile(directory / RAW_FILE, clock)
         try:
             direct = tier.direct_io
             assert tier.geometry.slot_bytes == slot_bytes, "the probe sized its tier by another slot"

@@ -31,10 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.cluster.bench.bandwidth import MB, References, measure_references
+from kvstrata.cluster.bench.chat_lockstep import ChatLockstep, ChatReference
 from kvstrata.cluster.bench.dram_probe import DramProbe, probe_dram_tier
 from kvstrata.cluster.bench.throughput import Progress, percentile
 from kvstrata.cluster.bench.tier_probe import TierProbe, probe_nvme_tier
-from kvstrata.cluster.bench.transfers import Transfer, dram_probe_transfers, nvme_transfers, probe_transfers
+from kvstrata.cluster.bench.transfers import (Transfer, chat_lockstep_transfers, dram_probe_transfers, nvme_transfers,
+                                              probe_transfers)
 from kvstrata.cluster.bench.workloads import multi_turn
 from kvstrata.worker.model_source import DEFAULT_MODEL
 
@@ -144,6 +146,7 @@ class ConfigResult:
     wall_s: float
     turns: list[TurnResult] = field(repr=False)
     tiers: dict | None = None  # cache_stats()["tiers"] after the run
+    chat_reference: ChatReference | None = None  # the disk beside the NVMe tier, turn by turn (chat_lockstep.py)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -184,9 +187,11 @@ class ConfigResult:
 
 def run_chat(llm: Any, messages: list[list[list[int]]], answer_len: int,
              clock: Callable[[], float] = time.perf_counter, label: str = "chat",
-             one_shots: list[list[int]] | None = None) -> tuple[float, list[TurnResult]]:
+             one_shots: list[list[int]] | None = None,
+             after_turn: Callable[[], float] | None = None) -> tuple[float, list[TurnResult]]:
     """Every turn of every conversation, round-robin, one request at a time; (wall seconds, turns).
-    `one_shots[i]`, if given, runs after the i-th turn and is not among the turns returned."""
+    `one_shots[i]`, if given, runs after the i-th turn and is not among the turns returned.
+    `after_turn`, if given, runs after every turn and returns seconds to leave out of the wall time."""
     from kvstrata.worker.sampling_params import SamplingParams
 
     engine = llm.engine
@@ -195,6 +200,7 @@ def run_chat(llm: Any, messages: list[list[list[int]]], answer_len: int,
     histories: list[list[int]] = [[] for _ in messages]
     results: list[TurnResult] = []
     progress = Progress(label, num_turns * len(messages))
+    left_out = 0.0
     start = clock()
     for turn in range(num_turns):
         for conv, turns in enumerate(messages):
@@ -203,8 +209,10 @@ def run_chat(llm: Any, messages: list[list[list[int]]], answer_len: int,
                 _run_turn(engine, -1, len(results), one_shots[len(results)], params, clock)
             results.append(result)
             histories[conv] += turns[turn] + list(result.output_token_ids)
+            if after_turn is not None:
+                left_out += after_turn()
             progress.advance()
-    return clock() - start, results
+    return clock() - start - left_out, results
 
 
 def _run_turn(engine: Any, conv: int, turn: int, prompt: list[int], params: Any,
@@ -300,6 +308,7 @@ class TieringReport:
             Transfer("DRAM demote", dram.get("demote_gb_per_s") or None, "memcpy", ref.memcpy / 1e9),
             Transfer("DRAM promote", dram.get("promote_gb_per_s") or None, "memcpy", ref.memcpy / 1e9),
             *nvme_transfers(nvme, ref.disk),
+            *chat_lockstep_transfers(nvme, self.config("nvme").chat_reference),
             *probe_transfers(self.tier_probe),
             *dram_probe_transfers(self.dram_probe),
         ]
@@ -344,6 +353,7 @@ class TieringReport:
             "outputs_identical": self.outputs_identical,
             "configs": [{**c.summary(), "turns": [_turn_json(t) for t in c.turns]} for c in self.configs],
             "ttft_on_hit": {c.name: asdict(paired_ttft(self.configs[0], c)) for c in self.configs[1:]},
+            "chat_reference": None if (c := self.config("nvme").chat_reference) is None else c.to_json(),
             "tier_probe": None if self.tier_probe is None else self.tier_probe.to_json(),
             "dram_probe": None if self.dram_probe is None else self.dram_probe.to_json(),
             "transfers": [{**asdict(t), "ratio": _round(t.ratio, 3)} for t in self.transfers()],
@@ -384,10 +394,17 @@ def run_tiering_bench(settings: TieringSettings, nvme_dir: Path,
         try:
             block_bytes = ModelRunner.kv_bytes_per_block(llm.engine.runner.model, BLOCK_SIZE)
             warm_up(llm)
-            wall, turns = run_chat(llm, messages, settings.chat.answer_len, clock, label=name)
-            results.append(ConfigResult(name, _label(settings.gpu_blocks, dram_blocks, nvme_blocks), dram_blocks,
-                                        nvme_blocks, wall, turns, llm.cache_stats().get("tiers")))
             tiers = llm.engine.kv.tiers
+            lockstep = None if tiers is None or tiers.nvme is None else ChatLockstep(tiers.nvme, nvme_dir, clock)
+            try:
+                wall, turns = run_chat(llm, messages, settings.chat.answer_len, clock, label=name,
+                                       after_turn=None if lockstep is None else lockstep.after_turn)
+            finally:
+                if lockstep is not None:
+                    lockstep.close()
+            results.append(ConfigResult(name, _label(settings.gpu_blocks, dram_blocks, nvme_blocks), dram_blocks,
+                                        nvme_blocks, wall, turns, llm.cache_stats().get("tiers"),
+                                        None if lockstep is None else lockstep.reference()))
             if tiers is not None and tiers.nvme is not None:
                 layout = (tiers.nvme.block_shape, tiers.nvme.dtype)
             if tiers is not None and tiers.kv_cache.device.type == "cpu":  # the probe takes the CPU copy path

@@ -54,6 +54,11 @@ def format_report(r: TieringReport) -> str:
                  f"{disk.write / 1e9:.2f} GB/s buffered, {disk.write_fsync / 1e9:.2f} with fsync; read "
                  f"{disk.read_cold / 1e9:.2f} from disk, {disk.read_warm / 1e9:.2f} from the page cache; {direct}")
     lines.append("NVMe rates are bytes over the wall time with IO of that kind in flight, across the IO threads")
+    if (cref := r.config("nvme").chat_reference) is not None:
+        lines.append(f"NVMe in the chat, lockstep: after each turn (the tier flushed), one thread's 8 MB O_DIRECT "
+                     f"IO of the bytes the tier moved in that turn ({cref.write_bytes / 1e6:.0f} MB written, "
+                     f"{cref.read_bytes / 1e6:.0f} MB read in all; the flush waited after {cref.turns_waited} turns); "
+                     f"its time is left out of the wall")
     if r.tier_probe is not None:
         tp = r.tier_probe
         lines.append(f"NVMe tier alone: {tp.num_blocks} blocks ({tp.num_blocks * tp.slot_bytes / 1e6:.0f} MB) each way, "

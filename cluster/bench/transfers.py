@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.cluster.bench.bandwidth import DiskRates
+from kvstrata.cluster.bench.chat_lockstep import ChatReference
 from kvstrata.cluster.bench.dram_probe import DramProbe
 from kvstrata.cluster.bench.tier_probe import TierProbe
 
@@ -39,6 +40,22 @@ def nvme_transfers(nvme: dict[str, Any], disk: DiskRates) -> list[Transfer]:
         Transfer("NVMe read", _rate(nvme.get("bytes_read", 0), nvme.get("read_busy_seconds", 0)),
                  read_ref[0], read_ref[1] / 1e9),
     ]
+
+
+def chat_lockstep_transfers(nvme: dict[str, Any], ref: ChatReference | None) -> list[Transfer]:
+    """The NVMe tier's write and read rates in the chat (as nvme_transfers) against one thread's
+    sequential O_DIRECT IO of each turn's bytes right after the turn (chat_lockstep.py); none
+    without a reference, or where the filesystem has no O_DIRECT."""
+    if ref is None:
+        return []
+    rows = []
+    for name, kind, moved in (("NVMe write", "write", "bytes_written"), ("NVMe read", "read", "bytes_read")):
+        rate = _rate(nvme.get(moved, 0), nvme.get(f"{kind}_busy_seconds", 0))
+        reference = ref.gb_per_s(kind)
+        if reference is not None:
+            rows.append(Transfer(f"{name} in the chat", rate, f"O_DIRECT {kind}s of each turn's bytes, lockstep",
+                                 reference))
+    return rows
 
 
 def probe_transfers(probe: TierProbe | None) -> list[Transfer]:
