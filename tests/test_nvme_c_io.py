@@ -10,10 +10,12 @@ marked as being read.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
 import time
+import zlib
 
 import pytest
 import torch
@@ -79,6 +81,55 @@ def test_the_pool_writes_and_reads_vectors_at_offsets(tmp_path):
     finally:
         pool.close()
         os.close(fd)
+
+
+def test_a_read_checksums_each_buffers_span_on_its_io_thread(tmp_path):
+    """Each buffer's CRC-32 (zlib's) of bytes [100, 100 + 3000), taken after the read; a buffer too
+    short for the span, and every buffer of a failed read, keeps what was there."""
+    pool = IoPool(KERNELS._lib, 2)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    src = torch.randint(0, 256, (3 * 4096,), dtype=torch.uint8)
+    os.write(fd, src.numpy().tobytes())
+    dst = torch.zeros(3 * 4096, dtype=torch.uint8)
+    try:
+        done = Done()
+        crcs = (ctypes.c_uint32 * 3)(7, 7, 7)
+        buffers = [(dst.data_ptr(), 4096), (dst.data_ptr() + 4096, 2048), (dst.data_ptr() + 6144, 6144)]
+        pool.submit(fd, False, 0, buffers, done, crcs, (100, 3000))
+        assert done.wait(1) == [0]
+        assert torch.equal(src, dst)
+        assert list(crcs) == [zlib.crc32(src[100:3100].numpy()), 7, zlib.crc32(src[6244:9244].numpy())]
+        failed = (ctypes.c_uint32 * 1)(7)
+        pool.submit(fd, False, 4096, [(dst.data_ptr(), 3 * 4096)], done, failed, (0, 10))  # short: EIO
+        assert done.wait(2)[1] == errno.EIO and list(failed) == [7]
+        with pytest.raises(ValueError, match="crcs"):
+            pool.submit(fd, True, 0, buffers, done, crcs, (0, 10))  # a write has nothing to check
+        with pytest.raises(ValueError, match="crcs"):
+            pool.submit(fd, False, 0, buffers[:2], done, crcs, (0, 10))
+        assert len(done.errs) == 2
+    finally:
+        pool.close()
+        os.close(fd)
+
+
+def test_c_reads_are_checked_against_the_io_threads_crcs_and_still_catch_a_bad_payload(tmp_path, monkeypatch):
+    """get_many on the C path hands the check each slot's CRC from its IO thread (the check takes
+    none of its own), and a flipped payload byte is still a miss, dropped and counted."""
+    tier = filled(tmp_path, c_io=True)
+    in_payload = offset_of(tier, h("b2")) + ALIGN + 10
+    patch(slab0(tier), in_payload, bytes([slot_bytes(slab0(tier), in_payload, 1)[0] ^ 0xFF]))
+    from kvstrata.tiering import slot_codec
+
+    own = []
+    monkeypatch.setattr(slot_codec, "_fast_crc", lambda: own.append(1))  # the check's own CRC: never wanted
+    got = tier.get_many([h(n) for n in NAMES]).result(timeout=10)
+    assert own == []
+    assert [g is not None for g in got] == [n != "b2" for n in NAMES]
+    assert all(same(g, data_of(n)) for n, g in zip(NAMES, got) if g is not None)
+    assert h("b2") not in tier and tier.stats()["checksum_failures"] == 1
+    assert no_slot_being_read(tier)
+    tier.check_integrity()
+    tier.close()
 
 
 def test_io_errors_reach_the_callback_as_errnos(tmp_path):
@@ -176,9 +227,9 @@ def submitted(monkeypatch):
     ios: list[tuple[int, int]] = []
     submit = IoPool.submit
 
-    def recording(self, fd, write, offset, buffers, done):
+    def recording(self, fd, write, offset, buffers, done, *crc):
         ios.append((offset, len(buffers)))
-        return submit(self, fd, write, offset, buffers, done)
+        return submit(self, fd, write, offset, buffers, done, *crc)
 
     monkeypatch.setattr(IoPool, "submit", recording)
     return ios
@@ -367,11 +418,11 @@ def test_a_c_run_whose_read_fails_is_read_slot_by_slot(tmp_path, monkeypatch):
     tier = filled(tmp_path, num_io_threads=1, c_io=True)
     submit, read, singles = IoPool.submit, SlabFiles.read, []
 
-    def failing_reads(self, fd, write, offset, buffers, done):
+    def failing_reads(self, fd, write, offset, buffers, done, *crc):
         if not write:
             fd = os.open(os.devnull, os.O_RDONLY)
             os.close(fd)  # a real EBADF from the C thread
-        return submit(self, fd, write, offset, buffers, done)
+        return submit(self, fd, write, offset, buffers, done, *crc)
 
     def counting_read(self, slot, buf):
         singles.append(slot)

@@ -277,9 +277,9 @@ def test_a_threads_runs_are_checked_on_checker_threads_while_it_reads_on(tmp_pat
     checked_on = []
     check_run = nvme.SlotIO.check_run
 
-    def recording(self, bufs, read_ok, hashes):
+    def recording(self, bufs, read_ok, hashes, crcs=None):
         checked_on.append(threading.current_thread().name.split("_")[0])
-        return check_run(self, bufs, read_ok, hashes)
+        return check_run(self, bufs, read_ok, hashes, crcs)
 
     monkeypatch.setattr(nvme.SlotIO, "check_run", recording)
     got = tier.get_many([h(n) for n in NAMES]).result(timeout=10)

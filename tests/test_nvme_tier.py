@@ -1134,6 +1134,15 @@ def test_a_staged_slot_is_the_same_bytes_with_the_c_crc_or_zlib(monkeypatch, fas
     monkeypatch.setattr(slot_codec, "_fast_crc", lambda: kernels if fast_crc else None)
     back = slot_codec.unstage(slot, b"h" * 16, lambda h: True, torch.float32, tuple(block.shape))
     assert torch.equal(back, block)
+    # a CRC taken already (by a C IO thread) is used where it covers exactly the payload
+    crc, p, n = parsed.payload_crc, header.payload_offset, header.payload_len
+    unstage = slot_codec.unstage
+    assert torch.equal(unstage(slot, b"h" * 16, lambda h: True, torch.float32, tuple(block.shape), (p, n, crc)), block)
+    with pytest.raises(ValueError, match="checksum"):
+        unstage(slot, b"h" * 16, lambda h: True, torch.float32, tuple(block.shape), (p, n, crc ^ 1))
+    # elsewhere it is ignored and the check takes its own
+    assert torch.equal(unstage(slot, b"h" * 16, lambda h: True, torch.float32, tuple(block.shape),
+                               (p + 4096, n, crc ^ 1)), block)
     slot[header.payload_offset + 100] ^= 1
     with pytest.raises(ValueError, match="checksum"):
         slot_codec.unstage(slot, b"h" * 16, lambda h: True, torch.float32, tuple(block.shape))

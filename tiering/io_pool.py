@@ -54,11 +54,19 @@ class IoPool:
             return 0 if self._pool is None else self._lib.kvs_io_pool_short_slice_threads(self._pool)
 
     def submit(self, fd: int, write: bool, offset: int, buffers: list[tuple[int, int]],
-               done: Callable[[int], None]) -> None:
+               done: Callable[[int], None], crcs: ctypes.Array | None = None,
+               crc_span: tuple[int, int] = (0, 0)) -> None:
         """Queue one pwritev (write) or preadv at fd's offset over buffers [(address, length)];
         done(0 or an errno) runs on the reaper thread once it ends. OSError if it cannot be queued
-        (the pool is closed, or out of memory): then done never runs."""
+        (the pool is closed, or out of memory): then done never runs.
+
+        For a read, crcs (a ctypes array of one uint32 per buffer) receives on the IO thread, once
+        the whole read succeeded, each buffer's CRC-32 (zlib's) of its bytes crc_span = (offset,
+        length); a buffer shorter than the span keeps its value. Keep crcs alive until done runs."""
         n = len(buffers)
+        if crcs is not None and (write or len(crcs) != n):
+            raise ValueError(f"crcs: one per buffer of a read, got {len(crcs)} for {n} buffers"
+                             + (" of a write" if write else ""))
         bases = (ctypes.c_int64 * n)(*(a for a, _ in buffers))
         lens = (ctypes.c_int64 * n)(*(m for _, m in buffers))
         with self._lock:
@@ -66,7 +74,7 @@ class IoPool:
                 raise OSError(errno.ESHUTDOWN, "the IO pool is closed")
             tag = next(self._tags)
             self._callbacks[tag] = done
-            rc = self._lib.kvs_io_submit(self._pool, tag, fd, int(write), offset, n, bases, lens)
+            rc = self._lib.kvs_io_submit(self._pool, tag, fd, int(write), offset, n, bases, lens, crcs, *crc_span)
             if rc:
                 del self._callbacks[tag]
         if rc:

@@ -478,10 +478,10 @@ class NvmeTier:
             futures.append(future)
             start = self._read_clock.begin()
 
-            def done(bufs: list[torch.Tensor], read_ok: list[bool], run: list[_ToRead] = run, start: float = start,
-                     future: Future = future) -> None:
+            def done(bufs: list[torch.Tensor], read_ok: list[bool], crcs: list[int] | None, run: list[_ToRead] = run,
+                     start: float = start, future: Future = future) -> None:
                 try:
-                    self._check_run(run, bufs, read_ok, out, False, start)
+                    self._check_run(run, bufs, read_ok, out, False, start, crcs)
                 except BaseException as e:  # a bug in a check reaches the caller's future
                     future.set_exception(e)
                 else:
@@ -530,10 +530,10 @@ class NvmeTier:
         return checker.submit(self._check_run, run, bufs, read_ok, out, touch, start)
 
     def _check_run(self, run: list[_ToRead], bufs: list[torch.Tensor], read_ok: list[bool], out: list,
-                   touch: bool, start: float) -> None:
+                   touch: bool, start: float, crcs: list[int] | None = None) -> None:
         results = None
         try:
-            results = self._io.check_run(bufs, read_ok, [h for _, h, _ in run])
+            results = self._io.check_run(bufs, read_ok, [h for _, h, _ in run], crcs)
         finally:  # also on a bug: the slots are let go
             self._let_go(run, results, out, touch, start)
 

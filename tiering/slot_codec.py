@@ -52,9 +52,11 @@ def stashed_crc(slot: torch.Tensor) -> int:
 
 
 def unstage(buf: torch.Tensor, block_hash: bytes, is_our_layout, dtype: torch.dtype,
-            shape: tuple[int, ...]) -> torch.Tensor:
+            shape: tuple[int, ...], known_crc: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The block in a slot just read [slot_bytes], as a view of its payload; ValueError for a bad
-    slot: no header, another block, another layout, or a payload that fails its checksum."""
+    slot: no header, another block, another layout, or a payload that fails its checksum.
+    known_crc (offset, length, crc): the CRC-32 of those bytes of buf, already taken (by a C IO
+    thread right after its read); used where the header puts the payload exactly there."""
     view = memoryview(buf.numpy())
     header = BlockHeader.parse(view)
     if header.block_hash != block_hash:
@@ -65,8 +67,11 @@ def unstage(buf: torch.Tensor, block_hash: bytes, is_our_layout, dtype: torch.dt
     if offset + header.payload_len > len(view):
         raise ValueError("payload overruns the slot")
     payload = buf[offset:offset + header.payload_len]  # [payload_len]
-    kernels = _fast_crc()
-    crc = kernels.crc32(payload) if kernels is not None else zlib.crc32(payload.numpy())
+    if known_crc is not None and known_crc[:2] == (offset, header.payload_len):
+        crc = known_crc[2]
+    else:
+        kernels = _fast_crc()
+        crc = kernels.crc32(payload) if kernels is not None else zlib.crc32(payload.numpy())
     if crc != header.payload_crc:
         raise ValueError("payload checksum mismatch")
     return payload.view(dtype).view(shape)

@@ -7,6 +7,7 @@ off them meanwhile, and does the bookkeeping before and after.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -208,32 +209,47 @@ class SlotIO:
             return bufs, self.read_each(slots, bufs)
 
     def submit_read(self, slots: list[int], pool: IoPool,
-                    done: Callable[[list[torch.Tensor], list[bool]], None]) -> None:
-        """read_raw on the IO pool: adjacent slots in one preadv, queued; done(bufs, read_ok) on the
-        pool's reaper thread (or here, if it cannot be queued). If the preadv fails, the slots are
-        read one by one there, so that only a bad slot is lost."""
+                    done: Callable[[list[torch.Tensor], list[bool], list[int] | None], None]) -> None:
+        """read_raw on the IO pool: adjacent slots in one preadv, queued; done(bufs, read_ok, crcs) on
+        the pool's reaper thread (or here, if it cannot be queued), crcs being each slot's payload
+        CRC as its IO thread took it right after the read (see check_run), or None. If the preadv
+        fails, the slots are read one by one there, so that only a bad slot is lost."""
         bufs = [self.buffers.take() for _ in slots]
         fd, offset = self.slabs.fd_at(slots[0])
+        crcs = (ctypes.c_uint32 * len(slots))()
 
         def ended(err: int) -> None:
-            done(bufs, [True] * len(slots) if err == 0 else self.read_each(slots, bufs))
+            if err == 0:
+                done(bufs, [True] * len(slots), list(crcs))
+            else:
+                done(bufs, self.read_each(slots, bufs), None)
 
         try:
-            pool.submit(fd, False, offset, [(b.data_ptr(), b.numel()) for b in bufs], ended)
+            pool.submit(fd, False, offset, [(b.data_ptr(), b.numel()) for b in bufs], ended, crcs, self.crc_span)
         except OSError:
             ended(1)
+
+    @property
+    def crc_span(self) -> tuple[int, int]:
+        """(offset, length) of the payload in a slot whose header takes its first ALIGN bytes, as in
+        every slot the C IO threads write (they need the C staging, slot_stage.py): what their reads
+        checksum."""
+        return ALIGN, self.payload_bytes
 
     def read_each(self, slots: list[int], bufs: list[torch.Tensor]) -> list[bool]:
         """Each slot in its own pread; whether each was read."""
         return [self._try_read(slot, buf) for slot, buf in zip(slots, bufs)]
 
-    def check_run(self, bufs: list[torch.Tensor], read_ok: list[bool],
-                  hashes: list[bytes]) -> list[tuple[torch.Tensor | None, bool]]:
+    def check_run(self, bufs: list[torch.Tensor], read_ok: list[bool], hashes: list[bytes],
+                  crcs: list[int] | None = None) -> list[tuple[torch.Tensor | None, bool]]:
         """For buffers read_raw filled: (block, False) for each good one, a view of its buffer, and
         (None, True) for a bad one (IO error, no header, another block or layout, a failed
-        checksum), whose buffer goes back to the pool."""
-        out = [self._check(buf, block_hash) if ok else (None, True)
-               for buf, block_hash, ok in zip(bufs, hashes, read_ok)]
+        checksum), whose buffer goes back to the pool. crcs: each buffer's CRC over crc_span, taken
+        after the read, which the check compares where the header puts the payload exactly there
+        (else it takes its own)."""
+        crcs = crcs or [None] * len(bufs)
+        out = [self._check(buf, block_hash, crc) if ok else (None, True)
+               for buf, block_hash, ok, crc in zip(bufs, hashes, read_ok, crcs)]
         self.buffers.give([buf for buf, (block, _) in zip(bufs, out) if block is None])
         return out
 
@@ -244,8 +260,9 @@ class SlotIO:
         except (OSError, ValueError):
             return False
 
-    def _check(self, buf: torch.Tensor, block_hash: bytes) -> tuple[torch.Tensor | None, bool]:
+    def _check(self, buf: torch.Tensor, block_hash: bytes, crc: int | None = None) -> tuple[torch.Tensor | None, bool]:
         try:
-            return unstage(buf, block_hash, self.is_our_layout, self.dtype, self.block_shape), False
+            known = None if crc is None else (*self.crc_span, crc)
+            return unstage(buf, block_hash, self.is_our_layout, self.dtype, self.block_shape, known), False
         except ValueError:
             return None, True

@@ -125,7 +125,8 @@ class CpuKernels:
         lib.kvs_io_pool_short_slice_threads.restype = ctypes.c_int
         lib.kvs_io_pool_close.restype = lib.kvs_io_pool_free.restype = None
         lib.kvs_io_submit.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
-                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_int64, ctypes.c_int64]
         lib.kvs_io_submit.restype = ctypes.c_int
         lib.kvs_io_reap.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_double]
         lib.kvs_io_reap.restype = ctypes.c_int

@@ -33,6 +33,8 @@ typedef struct io_req {
     int niov;
     int err;  // 0, an errno, or EIO for a short transfer
     double start, end;  // when the syscall began and returned, CLOCK_MONOTONIC seconds
+    uint32_t* crcs;  // for a read: each buffer's CRC-32 over [crc_offset, crc_offset + crc_len), or NULL
+    int64_t crc_offset, crc_len;
     struct iovec iov[];
 } io_req;
 
@@ -94,6 +96,17 @@ static double now(void) {
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
+uint32_t kvs_crc32(uint32_t init, const uint8_t* p, int64_t n);  // crc32.c
+
+/* After a read: each buffer's checksum over its span, on this thread, so that the reaper (one Python
+   thread) only compares numbers. A buffer too short for the span keeps the value the caller put
+   there. */
+static void checksum(io_req* r) {
+    for (int i = 0; i < r->niov; i++)
+        if (r->crc_offset + r->crc_len <= (int64_t)r->iov[i].iov_len)
+            r->crcs[i] = kvs_crc32(0, (const uint8_t*)r->iov[i].iov_base + r->crc_offset, r->crc_len);
+}
+
 static void run_one(io_req* r) {
     r->start = now();
     int64_t want = 0;
@@ -104,6 +117,7 @@ static void run_one(io_req* r) {
     } while (got < 0 && errno == EINTR);
     r->err = got < 0 ? errno : (got != want ? EIO : 0);
     r->end = now();
+    if (r->crcs && !r->err && !r->write) checksum(r);
 }
 
 static void* worker(void* arg) {
@@ -166,12 +180,15 @@ int kvs_io_pool_short_slice_threads(void* pool) {
     return n;
 }
 
-/* Queue one IO: write (1) or read (0) of niov buffers (addresses and lengths) at fd's offset.
-   0, or ESHUTDOWN once closing, ENOMEM, EINVAL for a bad niov. */
+/* Queue one IO: write (1) or read (0) of niov buffers (addresses and lengths) at fd's offset. For a
+   read, crcs (niov values, or NULL) receives each buffer's CRC-32 of its bytes [crc_offset,
+   crc_offset + crc_len) once the whole read succeeded; it must live until the IO is reaped. 0, or
+   ESHUTDOWN once closing, ENOMEM, EINVAL for a bad niov or span, or crcs on a write. */
 int kvs_io_submit(void* pool, int64_t tag, int fd, int write, int64_t offset, int niov, const int64_t* bases,
-                  const int64_t* lens) {
+                  const int64_t* lens, uint32_t* crcs, int64_t crc_offset, int64_t crc_len) {
     io_pool* p = pool;
     if (niov < 1 || niov > IOV_MAX) return EINVAL;
+    if (crcs && (write || crc_offset < 0 || crc_len < 0)) return EINVAL;
     io_req* r = malloc(sizeof(io_req) + (size_t)niov * sizeof(struct iovec));
     if (!r) return ENOMEM;
     r->tag = tag;
@@ -180,6 +197,9 @@ int kvs_io_submit(void* pool, int64_t tag, int fd, int write, int64_t offset, in
     r->offset = offset;
     r->niov = niov;
     r->err = 0;
+    r->crcs = crcs;
+    r->crc_offset = crc_offset;
+    r->crc_len = crc_len;
     for (int i = 0; i < niov; i++) {
         r->iov[i].iov_base = (void*)(intptr_t)bases[i];
         r->iov[i].iov_len = (size_t)lens[i];
