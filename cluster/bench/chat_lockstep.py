@@ -55,7 +55,6 @@ class ChatLockstep:
 
     def __init__(self, tier: Any, directory: Path, clock: Callable[[], float] = time.perf_counter):
         self.tier = tier
-        self.clock = clock
         self.raw = RawFile(directory / CHAT_RAW_FILE, clock)
         stats = tier.stats()
         self._seen = (stats["bytes_written"], stats["bytes_read"])  # the tier's counters at the last turn's end
