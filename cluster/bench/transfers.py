@@ -34,12 +34,9 @@ def nvme_transfers(nvme: dict[str, Any], disk: DiskRates) -> list[Transfer]:
         warm = disk.read_warm >= disk.read_cold
         write_ref = ("sequential buffered write", disk.write)
         read_ref = ("sequential read, " + ("page cache" if warm else "from disk"), max(disk.read_warm, disk.read_cold))
-    return [
-        Transfer("NVMe write", _rate(nvme.get("bytes_written", 0), nvme.get("write_busy_seconds", 0)),
-                 write_ref[0], write_ref[1] / 1e9),
-        Transfer("NVMe read", _rate(nvme.get("bytes_read", 0), nvme.get("read_busy_seconds", 0)),
-                 read_ref[0], read_ref[1] / 1e9),
-    ]
+    rates = _chat_rates(nvme)
+    return [Transfer("NVMe write", rates["write"], write_ref[0], write_ref[1] / 1e9),
+            Transfer("NVMe read", rates["read"], read_ref[0], read_ref[1] / 1e9)]
 
 
 def chat_lockstep_transfers(nvme: dict[str, Any], ref: ChatReference | None) -> list[Transfer]:
@@ -48,14 +45,8 @@ def chat_lockstep_transfers(nvme: dict[str, Any], ref: ChatReference | None) -> 
     without a reference, or where the filesystem has no O_DIRECT."""
     if ref is None:
         return []
-    rows = []
-    for name, kind, moved in (("NVMe write", "write", "bytes_written"), ("NVMe read", "read", "bytes_read")):
-        rate = _rate(nvme.get(moved, 0), nvme.get(f"{kind}_busy_seconds", 0))
-        reference = ref.gb_per_s(kind)
-        if reference is not None:
-            rows.append(Transfer(f"{name} in the chat", rate, f"O_DIRECT {kind}s of each turn's bytes, lockstep",
-                                 reference))
-    return rows
+    return [Transfer(f"NVMe {kind} in the chat", rate, f"O_DIRECT {kind}s of each turn's bytes, lockstep", reference)
+            for kind, rate in _chat_rates(nvme).items() if (reference := ref.gb_per_s(kind)) is not None]
 
 
 def probe_transfers(probe: TierProbe | None) -> list[Transfer]:
@@ -90,6 +81,12 @@ def dram_probe_transfers(probe: DramProbe | None) -> list[Transfer]:
         rows.append(Transfer(f"{name}, bursts of {probe.burst_blocks} blocks", rate / 1e9, "memcpy, lockstep",
                              ref / 1e9))
     return rows
+
+
+def _chat_rates(nvme: dict[str, Any]) -> dict[str, float | None]:
+    """The NVMe tier's write and read GB/s in the chat, from its stats (None: no such bytes moved)."""
+    return {"write": _rate(nvme.get("bytes_written", 0), nvme.get("write_busy_seconds", 0)),
+            "read": _rate(nvme.get("bytes_read", 0), nvme.get("read_busy_seconds", 0))}
 
 
 def _rate(num_bytes: int, seconds: float) -> float | None:
