@@ -14,7 +14,7 @@ from kvstrata.tiering import nvme
 from kvstrata.tiering.block_file import ALIGN
 from kvstrata.tiering.slab import SlabFiles, SlabGeometry
 from kvstrata.tiering.slot_io import ReadBuffers
-from kvstrata.worker.huge_pages import huge_pages_available
+from kvstrata.worker.huge_pages import HUGE_PAGE, huge_pages_available
 from tests.test_huge_pages import _smaps_entry, needs_thp
 from tests.test_nvme_tier import SLOT, data_of, h, offset_of, patch, same, slab0, slot_bytes, tier_at
 
@@ -317,4 +317,30 @@ def test_a_bug_in_a_runs_check_or_read_reaches_the_caller_and_every_slot_is_let_
     got = tier.get_many([h(n) for n in NAMES]).result(timeout=10)
     assert all(same(g, data_of(n)) for n, g in zip(NAMES, got))
     tier.check_integrity()
+    tier.close()
+
+
+@needs_thp
+def test_prefault_faults_in_the_buffers_the_first_takes_hand_out_and_never_touches_one_in_use():
+    def resident(buf: torch.Tensor) -> int:  # bytes of the arena's mapping in memory
+        return int(_smaps_entry(buf.data_ptr())["Rss"].split()[0]) * 1024
+
+    slot = 256 << 10
+    cold = ReadBuffers(slot_bytes=slot, limit=32)  # an 8 MB arena: four huge pages
+    assert resident(cold.take()) == 0  # a take alone faults nothing in; the read does
+    warm = ReadBuffers(slot_bytes=slot, limit=32)
+    warm.prefault(16)
+    first = warm.take()
+    assert 16 * slot <= resident(first) <= 16 * slot + HUGE_PAGE
+    first.fill_(7)  # as a read would; prefault again must leave it alone
+    warm.prefault(32)
+    assert bool((first == 7).all()) and resident(first) <= 16 * slot + HUGE_PAGE
+
+
+@needs_thp
+def test_a_tier_opens_with_its_first_read_buffers_faulted_in(tmp_path):
+    tier = tier_at(tmp_path)
+    slots = min(tier.geometry.num_slots, nvme.PREFAULT_READ_BYTES // tier.geometry.slot_bytes)
+    buf = tier._read_buffers.take()
+    assert int(_smaps_entry(buf.data_ptr())["Rss"].split()[0]) * 1024 >= slots * tier.geometry.slot_bytes
     tier.close()

@@ -47,6 +47,7 @@ from kvstrata.tiering.slots import SlotTable
 
 RUN_BYTES = 4 << 20  # the most one pwrite or preadv moves: adjacent slots go together up to this
 READ_BUFFER_BYTES = 256 << 20  # read buffers (an arena on huge pages, slot_io.ReadBuffers) kept for reuse
+PREFAULT_READ_BYTES = 64 << 20  # of those, faulted in at open: about what loads have out at once
 STAGED_BUFFER_BYTES = 64 << 20  # write buffers that blocks leaving DRAM are staged in (slot_stage.py)
 
 
@@ -172,6 +173,7 @@ class NvmeTier:
             self.direct_io = supported
             self._slabs = SlabFiles(self.directory, self.geometry, O_DIRECT if supported else 0)
             self._read_buffers = ReadBuffers(self.geometry.slot_bytes, max(8, READ_BUFFER_BYTES // self.geometry.slot_bytes))
+            self._read_buffers.prefault(min(self.geometry.num_slots, PREFAULT_READ_BYTES // self.geometry.slot_bytes))
             self._io = SlotIO(self._slabs, layout_tag, dtype, shape, self.payload_bytes,
                               max(1, RUN_BYTES // self.geometry.slot_bytes), self._read_buffers)
             self._staged = StagedCopies(self.geometry.slot_bytes, head_bytes, dtype, shape, self.payload_bytes,
