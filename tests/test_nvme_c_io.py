@@ -26,6 +26,7 @@ from kvstrata.worker.cpu_kernels import load_cpu_kernels
 from kvstrata.tiering.block_file import ALIGN
 from kvstrata.tiering.slab import SlabFiles
 from tests.test_nvme_runs import NAMES, filled, no_slot_being_read
+from tests.test_nvme_tier import _thread_slice_ns
 from tests.test_nvme_tier import SLOT, data_of, erased, h, headers, offset_of, patch, same, slab0, slot_bytes, tier_at
 
 KERNELS = load_cpu_kernels()
@@ -80,6 +81,31 @@ def test_the_pool_writes_and_reads_vectors_at_offsets(tmp_path):
         assert os.path.getsize(tmp_path / "f") == 8192 + 3 * 4096
     finally:
         pool.close()
+        os.close(fd)
+
+
+def test_the_reaper_asks_for_the_short_slice_too(tmp_path):
+    """Callbacks run on the reaper, which like the C threads asks for the pool's slice as it starts
+    (so that a finished IO is reaped while forward passes hold the cores); 0 asks for none."""
+    main_slice = _thread_slice_ns()
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    src = torch.zeros(4096, dtype=torch.uint8)
+    try:
+        for slice_us in (100, 0):
+            pool = IoPool(KERNELS._lib, 1, slice_us)
+            seen = []
+            done = Done()
+            pool.submit(fd, True, 0, [(src.data_ptr(), 4096)], lambda err: (seen.append(_thread_slice_ns()), done(err)))
+            assert done.wait(1) == [0]
+            granted = pool.short_slice_threads == 1 and pool.reaper_short_slice
+            pool.close()
+            if slice_us and not granted:
+                pytest.skip("this kernel takes no slice request")
+            if main_slice is None:
+                pytest.skip("this kernel shows no slice")
+            assert seen == [slice_us * 1000 if slice_us else main_slice]
+            assert pool.reaper_short_slice == bool(slice_us)
+    finally:
         os.close(fd)
 
 
