@@ -63,7 +63,8 @@ class ReadBuffers:
         with self._lock:
             if self._arena is None:
                 self._make_arena()
-                self._arena[:min(num_buffers, self.limit) * self.slot_bytes].zero_()
+                # numpy's fill on this thread: torch's zero_ would start an OpenMP team of threads
+                self._arena[:min(num_buffers, self.limit) * self.slot_bytes].numpy().fill(0)
 
     def _make_arena(self) -> None:
         if self._arena is None:
