@@ -118,3 +118,23 @@ def test_a_run_of_staged_blocks_goes_out_in_one_pwritev_without_staging_again(tm
     assert all(same(tier.get(h(n)).result(), data_of(n)) for n in "abcd")
     tier.check_integrity()
     tier.close()
+
+
+def test_a_staged_copy_is_its_own_payload_view_and_its_crc_is_kept(tmp_path, staging_enabled):
+    """put takes a staged copy as the payload view it already is; any other tensor gets the view of
+    the buffer; the CRC stashed in the buffer reads back as zlib's of the payload."""
+    import zlib
+
+    from kvstrata.tiering.slot_codec import stashed_crc
+
+    tier = tier_at(tmp_path / "nvme")
+    staged = tier._staged
+    copy = tier.staged_copy(data_of("a"))
+    buf = staged.claim(copy)
+    assert staged.payload(buf, copy) is copy
+    other = staged.payload(buf, data_of("a"))  # the caller's own tensor: not in the buffer
+    assert other is not copy and other.data_ptr() == copy.data_ptr() and same(other, data_of("a"))
+    assert staged.payload(buf).data_ptr() == copy.data_ptr()
+    assert stashed_crc(buf) == zlib.crc32(copy.contiguous().view(-1).view(torch.uint8).numpy())
+    staged.give([buf])
+    tier.close()

@@ -291,7 +291,7 @@ class NvmeTier:
                     futures.append(_done(False))
                     continue
                 if self._pool is not None:  # the payload in its write buffer (_claim_or_stage)
-                    data = self._staged.payload(buf)
+                    data = self._staged.payload(buf, data)
                 pending = _PendingWrite(block_hash, parent_hash, data, buf)
                 self._pending[block_hash] = pending
                 self._queue.append(pending)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 from dataclasses import replace
 
@@ -48,7 +49,7 @@ def stash_crc(slot: torch.Tensor, crc: int) -> None:
 
 
 def stashed_crc(slot: torch.Tensor) -> int:
-    return int.from_bytes(slot[:4].numpy().tobytes(), "little")
+    return int.from_bytes(ctypes.string_at(slot.data_ptr(), 4), "little")  # a slice and .numpy() took ~4 us
 
 
 def unstage(buf: torch.Tensor, block_hash: bytes, is_our_layout, dtype: torch.dtype,

@@ -60,8 +60,12 @@ class StagedCopies:
             self._out[staged.data_ptr()] = buf
         return staged
 
-    def payload(self, buf: torch.Tensor) -> torch.Tensor:
-        """The block staged in a write buffer, as a view of it."""
+    def payload(self, buf: torch.Tensor, staged: torch.Tensor | None = None) -> torch.Tensor:
+        """The block staged in a write buffer, as a view of it: `staged` itself where it is that view
+        already (what copy returned, of the block's shape and dtype), which saves making it again
+        (about 5 us of a put's 15-20 a block)."""
+        if staged is not None and staged.data_ptr() == buf.data_ptr() + self.offset and staged.is_contiguous():
+            return staged
         return buf[self.offset:self.offset + self.payload_bytes].view(self.dtype).view(self.block_shape)
 
     def claim(self, data: torch.Tensor) -> torch.Tensor | None:
