@@ -36,12 +36,20 @@ pytestmark = needs_kernels
 
 
 def io_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith(("kvstrata-io", "kvstrata-nvme-io"))]
+    """The tier's Python threads: the IO pool's reaper and, on the Python path, the executors'."""
+    return [t.name for t in threading.enumerate() if t.name.startswith(("kvstrata-io", "kvstrata-nvme"))]
 
 
-def os_threads() -> int:
-    """The process's threads as the kernel counts them, C threads included."""
-    return len(os.listdir("/proc/self/task"))
+def c_threads() -> int:
+    """The IO pool's C threads, by the name each gives itself, as the kernel lists the process's
+    threads (not all of them: a test session's other threads come and go)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{tid}/comm").read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names.count("kvstrata-io")
 
 
 class Done:
@@ -201,9 +209,9 @@ def test_a_failing_callback_does_not_stop_the_others(tmp_path, caplog):
 def test_close_finishes_what_was_queued_then_refuses_and_leaves_no_thread(tmp_path):
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
     bufs = [torch.full((65536,), i, dtype=torch.uint8) for i in range(16)]  # (torch may start its threads)
-    before, before_os = io_threads(), os_threads()
+    before, before_c = io_threads(), c_threads()
     pool = IoPool(KERNELS._lib, 2, name="kvstrata-io-test")
-    assert os_threads() == before_os + 3  # two C threads and the reaper
+    assert c_threads() == before_c + 2 and len(io_threads()) == len(before) + 1  # two C threads, the reaper
     done = Done()
     for i, b in enumerate(bufs):
         pool.submit(fd, True, i * 65536, [(b.data_ptr(), 65536)], done)
@@ -213,7 +221,7 @@ def test_close_finishes_what_was_queued_then_refuses_and_leaves_no_thread(tmp_pa
         pool.submit(fd, True, 0, [(bufs[0].data_ptr(), 10)], done)
     pool.close()  # again: nothing
     os.close(fd)
-    assert io_threads() == before and os_threads() == before_os
+    assert io_threads() == before and c_threads() == before_c
     with open(tmp_path / "f", "rb") as f:
         assert all(f.read(65536) == bytes([i]) * 65536 for i in range(16))
 
@@ -399,13 +407,13 @@ def test_a_write_discarded_in_flight_leaves_no_block_on_disk(tmp_path, monkeypat
 
 
 def test_close_waits_for_the_writes_and_stops_the_io_threads(tmp_path):
-    before, before_os = io_threads(), os_threads()
+    before, before_c = io_threads(), c_threads()
     tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, c_io=True)
-    assert len(io_threads()) == len(before) + 1  # the reaper (the C threads are not Python's)
+    assert len(io_threads()) == len(before) + 1 and c_threads() == before_c + 4  # the reaper, 4 C threads
     futures = tier.put_many([(h(f"b{i}"), None, data_of(f"b{i}")) for i in range(10)])
     tier.close()
     assert all(f.done() and f.result() for f in futures)
-    assert io_threads() == before and os_threads() == before_os  # the C threads and the executors' too
+    assert io_threads() == before and c_threads() == before_c  # the C threads and the executors' too
     again = tier_at(tmp_path / "nvme", capacity=16 * SLOT)
     assert len(again) == 10
     again.close()

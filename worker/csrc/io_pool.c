@@ -157,6 +157,9 @@ void* kvs_io_pool_new(int num_threads, int64_t slice_us) {
     pthread_mutex_lock(&p->mu);
     for (int t = 0; t < num_threads; t++) {
         if (pthread_create(&p->threads[p->num_threads], NULL, worker, p) != 0) break;
+#ifdef __linux__
+        pthread_setname_np(p->threads[p->num_threads], "kvstrata-io");  // as the kernel lists it: ours to tell apart
+#endif
         p->num_threads++;
         p->running++;
     }
