@@ -56,8 +56,8 @@ class ReadBuffers:
 
     def prefault(self, num_buffers: int) -> None:
         """Make the arena now and write its first num_buffers buffers (those the first takes hand
-        out), so that the first reads into them do not fault their pages in. On a 2-core VM, a fresh
-        huge page cost about 1 ms to fault in inside an O_DIRECT read: a fresh tier's first loads in
+        out), so that the first reads into them do not fault their pages in. On 2-core VMs, a fresh
+        huge page cost 1-6 ms to fault in, inside an O_DIRECT read or here: a fresh tier's first loads in
         `kvstrata bench tiering` ran at 0.1-1.1 GB/s until about 42 MB of buffers had been used once,
         and mostly at 1.4-2.3 after. Nothing if the arena is there already: its buffers may be in use."""
         with self._lock:
