@@ -144,11 +144,11 @@ def test_run_chat_leaves_the_hooks_seconds_out_of_the_wall():
     assert wall == pytest.approx(4.0)
 
 
-def _report(reference: ChatReference | None) -> TieringReport:
+def _report(reference: ChatReference | None, **io_seconds: float | None) -> TieringReport:
     turns = [TurnResult(0, 0, 32, 0, 0.2, 0.3, (1, 2, 3, 4)), TurnResult(0, 1, 52, 0, 0.4, 0.5, (1, 2, 3, 4))]
     configs = [ConfigResult(name, name, None, None, 1.0, turns) for name in ("device", "dram")]
     nvme = {"bytes_written": 2 * 10**9, "write_busy_seconds": 2.0, "bytes_read": 3 * 10**9,
-            "read_busy_seconds": 1.0, "direct_io": True}
+            "read_busy_seconds": 1.0, "direct_io": True, **io_seconds}
     configs.append(ConfigResult("nvme", "nvme", 2, 8, 1.0, turns, {"nvme": nvme}, reference))
     refs = References(10e9, DiskRates(2e9, 1e9, 1e9, 5e9, 4e9, 6e9))
     return TieringReport(TieringSettings(ChatShape(1, 2, 16, 16, 4), 4), 1000, refs, configs)
@@ -171,3 +171,23 @@ def test_no_lockstep_rows_without_a_reference():
     assert not [t for t in report.transfers() if "lockstep" in t.reference and "chat" in t.name]
     assert report.to_json()["chat_reference"] is None
     assert "NVMe in the chat, lockstep" not in format_report(report)
+
+
+def test_the_ios_time_in_syscalls_is_reported_beside_the_lockstep_rows_and_never_judged():
+    # busy clocks: writes 1 GB/s (91% of 1.1), reads 3 GB/s (60% of 5); in syscalls only: 2 GB/s and 4 GB/s
+    report = _report(ChatReference(11 * 10**8, 1.0, 10**9, 0.2, 0), write_io_seconds=1.0, read_io_seconds=0.75)
+    rows = {t.name: t for t in report.transfers()}
+    write, read = rows["NVMe write in the chat, its IO in syscalls only"], rows["NVMe read in the chat, its IO in syscalls only"]
+    assert not write.target and not read.target
+    assert write.gb_per_s == pytest.approx(2.0) and write.reference_gb_per_s == pytest.approx(1.1)
+    assert read.ratio == pytest.approx(0.8)
+    judged = {t.name for t in report.transfer_targets()}
+    assert not any("syscalls" in name for name in judged)
+    assert "NVMe read in the chat >= 80% of O_DIRECT reads of each turn's bytes, lockstep" in judged
+    text = format_report(report)
+    assert "where the NVMe time goes (not targets):" in text
+    assert "NVMe read in the chat, its IO in syscalls only: 4.00 GB/s = 80% of" in text
+    # Python IO threads have no such clock: no rows, no section
+    plain = _report(ChatReference(11 * 10**8, 1.0, 10**9, 0.2, 0), write_io_seconds=None, read_io_seconds=None)
+    assert not [t for t in plain.transfers() if not t.target]
+    assert "where the NVMe time goes" not in format_report(plain)

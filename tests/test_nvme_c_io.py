@@ -92,6 +92,32 @@ def test_the_pool_writes_and_reads_vectors_at_offsets(tmp_path):
         os.close(fd)
 
 
+def test_the_pool_clocks_each_kinds_time_in_syscalls_once_however_many_overlap(tmp_path):
+    pool = IoPool(KERNELS._lib, 3)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        buf = torch.ones(8 << 20, dtype=torch.uint8)
+        done = Done()
+        t0 = time.monotonic()
+        for k in range(6):  # three threads: up to three writes in their syscalls at once
+            pool.submit(fd, True, k * buf.numel(), [(buf.data_ptr(), buf.numel())], done)
+        assert done.wait(6) == [0] * 6
+        wall = time.monotonic() - t0
+        writes = pool.busy_seconds(True)
+        assert 0.0 < writes <= min(wall, pool.io_seconds + 1e-9)  # a union, never the sum of the six
+        assert pool.busy_seconds(False) == 0.0  # each kind has its own clock
+        time.sleep(0.05)
+        assert pool.busy_seconds(True) == writes  # idle: no spell left open
+        pool.submit(fd, False, 0, [(buf.data_ptr(), buf.numel())], done)
+        assert done.wait(7)[-1] == 0
+        reads = pool.busy_seconds(False)
+        assert reads > 0.0 and pool.busy_seconds(True) == writes
+    finally:
+        pool.close()
+        os.close(fd)
+    assert (pool.busy_seconds(False), pool.busy_seconds(True)) == (reads, writes)  # kept past the close
+
+
 def test_the_reaper_asks_for_the_short_slice_too(tmp_path):
     """Callbacks run on the reaper, which like the C threads asks for the pool's slice as it starts
     (so that a finished IO is reaped while forward passes hold the cores); 0 asks for none."""
@@ -541,4 +567,12 @@ def test_stats_count_the_c_threads_time_in_their_syscalls(tmp_path):
     assert after_writes > 0.0
     assert all(b is not None for b in tier.get_many([h(n) for n in "abcd"]).result(timeout=10))
     assert tier.stats()["c_io_syscall_seconds"] > after_writes
+    stats = tier.stats()
+    # the disk's share of each busy clock: never more than the clock, never more than the summed syscalls
+    for kind in ("write", "read"):
+        assert 0.0 < stats[f"{kind}_io_seconds"] <= stats[f"{kind}_busy_seconds"]
+    assert stats["write_io_seconds"] + stats["read_io_seconds"] <= stats["c_io_syscall_seconds"] + 1e-9
     tier.close()
+    plain = tier_at(tmp_path / "py", capacity=8 * SLOT, c_io=False)
+    assert plain.stats()["write_io_seconds"] is None and plain.stats()["read_io_seconds"] is None
+    plain.close()

@@ -48,6 +48,7 @@ class IoPool:
         self._slice_us = slice_us
         self.reaper_short_slice = False  # whether the reaper was granted the slice too (it asks as it starts)
         self.io_seconds = 0.0  # the IOs' own time in their syscalls, summed (the reaper adds it up)
+        self._final_busy = (0.0, 0.0)  # busy_seconds (read, write) as the pool was freed
         self._reaper = threading.Thread(target=self._reap, name=f"{name}-reaper", daemon=True)
         self._reaper.start()
 
@@ -56,6 +57,16 @@ class IoPool:
         """Threads granted their short slice so far (they ask as they start)."""
         with self._lock:
             return 0 if self._pool is None else self._lib.kvs_io_pool_short_slice_threads(self._pool)
+
+    def busy_seconds(self, write: bool) -> float:
+        """Seconds during which at least one IO of this kind (a write, or a read) was in its syscall:
+        the time the pool kept the disk busy with it, across its threads. Unlike io_seconds, two IOs
+        at once count once; unlike a clock around submit and callback, the waits for a thread, the
+        reaper and the GIL are left out (compare with a raw syscall's time)."""
+        with self._lock:
+            if self._pool is None:
+                return self._final_busy[int(write)]
+            return self._lib.kvs_io_pool_busy_seconds(self._pool, int(write))
 
     def submit(self, fd: int, write: bool, offset: int, buffers: list[tuple[int, int]],
                done: Callable[[int], None], crcs: ctypes.Array | None = None,
@@ -115,6 +126,7 @@ class IoPool:
         finally:  # -1: closed, every IO reaped, the C threads gone (else a bug above, logged as it leaves)
             with self._lock:
                 self._closed = True
+                self._final_busy = tuple(self._lib.kvs_io_pool_busy_seconds(self._pool, w) for w in (0, 1))
             self._lib.kvs_io_pool_free(self._pool)  # closes first, and joins the C threads
             with self._lock:
                 self._pool = None

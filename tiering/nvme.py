@@ -237,6 +237,9 @@ class NvmeTier:
                         self._pool.short_slice_threads if self._pool is not None else 0),
                     "c_io": self._pool is not None,
                     "c_io_syscall_seconds": self._pool.io_seconds if self._pool is not None else 0.0,
+                    # the disk's share of the busy clocks below: any IO of the kind in its syscall (C IO only)
+                    "read_io_seconds": self._pool.busy_seconds(False) if self._pool is not None else None,
+                    "write_io_seconds": self._pool.busy_seconds(True) if self._pool is not None else None,
                     **asdict(self._counters),
                     "read_busy_seconds": self._read_clock.seconds,
                     "write_busy_seconds": self._write_clock.seconds}

@@ -130,6 +130,8 @@ class CpuKernels:
         lib.kvs_io_submit.restype = ctypes.c_int
         lib.kvs_io_reap.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_double]
         lib.kvs_io_reap.restype = ctypes.c_int
+        lib.kvs_io_pool_busy_seconds.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.kvs_io_pool_busy_seconds.restype = ctypes.c_double
         lib.kvs_crc32_fast.argtypes = []
         lib.kvs_crc32_fast.restype = ctypes.c_int
         # whether crc32 beats zlib's here (carry-less multiplies); without, the same values, slower

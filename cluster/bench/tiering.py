@@ -334,6 +334,8 @@ class TieringReport:
     def transfer_targets(self) -> list[Target]:
         out = []
         for tr in self.transfers():
+            if not tr.target:
+                continue
             met = None if tr.ratio is None else tr.ratio >= TARGET_BANDWIDTH_RATIO
             detail = ("nothing moved" if tr.ratio is None else
                       f"{tr.gb_per_s:.2f} GB/s = {tr.ratio:.0%} of {tr.reference} ({tr.reference_gb_per_s:.2f} GB/s)")

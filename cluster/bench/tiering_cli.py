@@ -73,6 +73,10 @@ def format_report(r: TieringReport) -> str:
     for t in r.targets():
         mark = {True: "met", False: "MISSED", None: "n/a"}[t.met]
         lines.append(f"  [{mark:>6}] {t.name}: {t.detail}")
+    if where := [t for t in r.transfers() if not t.target and t.ratio is not None]:
+        lines.append("where the NVMe time goes (not targets):")
+        lines += [f"  {t.name}: {t.gb_per_s:.2f} GB/s = {t.ratio:.0%} of {t.reference} ({t.reference_gb_per_s:.2f} GB/s)"
+                  for t in where]
     return "\n".join(lines)
 
 
@@ -114,7 +118,7 @@ def plot_report(r: TieringReport, path: Path) -> None:
     ax_ttft.set_xticks(list(xs), names)
     ax_ttft.set_ylabel("TTFT (ms)")
     ax_ttft.legend()
-    transfers = r.transfers()
+    transfers = [t for t in r.transfers() if t.target]
     ax_bw.bar([t.name.replace(", ", "\n") for t in transfers], [100 * (t.ratio or 0) for t in transfers], color="#58a")
     ax_bw.axhline(100 * TARGET_BANDWIDTH_RATIO, color="k", ls="--", lw=1, label="target")
     ax_bw.set_ylabel("% of reference bandwidth")

@@ -17,6 +17,7 @@ class Transfer:
     gb_per_s: float | None  # None: the run moved no such bytes
     reference: str
     reference_gb_per_s: float
+    target: bool = True  # False: reported beside the targets, to tell where the time goes, not judged
 
     @property
     def ratio(self) -> float | None:
@@ -45,8 +46,20 @@ def chat_lockstep_transfers(nvme: dict[str, Any], ref: ChatReference | None) -> 
     without a reference, or where the filesystem has no O_DIRECT."""
     if ref is None:
         return []
-    return [Transfer(f"NVMe {kind} in the chat", rate, f"O_DIRECT {kind}s of each turn's bytes, lockstep", reference)
+    rows = [Transfer(f"NVMe {kind} in the chat", rate, f"O_DIRECT {kind}s of each turn's bytes, lockstep", reference)
             for kind, rate in _chat_rates(nvme).items() if (reference := ref.gb_per_s(kind)) is not None]
+    return rows + [Transfer(f"{row.name}, its IO in syscalls only", rate, row.reference, row.reference_gb_per_s,
+                            target=False)
+                   for row in rows if (rate := _disk_rate(nvme, row.name.split()[1])) is not None]
+
+
+def _disk_rate(nvme: dict[str, Any], kind: str) -> float | None:
+    """GB/s of the kind ("write" or "read") over the seconds with such an IO in its syscall on the C
+    IO threads, timed as the reference times its own IO: the busy clock less the thread wake-ups, the
+    reaper, its callbacks and the GIL; None without C IO."""
+    seconds = nvme.get(f"{kind}_io_seconds")
+    return None if seconds is None else _rate(nvme.get("bytes_written" if kind == "write" else "bytes_read", 0),
+                                              seconds)
 
 
 def probe_transfers(probe: TierProbe | None) -> list[Transfer]:

@@ -48,6 +48,8 @@ typedef struct {
     int num_threads;
     int64_t slice_us;  // the scheduler slice each thread asks for as it starts; 0: none
     int short_slice;  // threads whose request the kernel took
+    int in_syscall[2];  // IOs in their syscall now, by kind (0 read, 1 write)
+    double since[2], busy[2];  // when the current busy spell of a kind began; seconds of those before
     pthread_t threads[MAX_THREADS];
 } io_pool;
 
@@ -107,8 +109,19 @@ static void checksum(io_req* r) {
             r->crcs[i] = kvs_crc32(0, (const uint8_t*)r->iov[i].iov_base + r->crc_offset, r->crc_len);
 }
 
-static void run_one(io_req* r) {
+/* Under the pool's lock: an IO of r's kind enters (+1) or leaves (-1) its syscall at r's stamp, so
+   that busy[kind] sums the spells with any such IO in its syscall (the union of their intervals). */
+static void in_syscall(io_pool* p, io_req* r, int step) {
+    int k = r->write != 0;
+    if (step > 0 && p->in_syscall[k]++ == 0) p->since[k] = r->start;
+    if (step < 0 && --p->in_syscall[k] == 0) p->busy[k] += r->end - p->since[k];
+}
+
+/* Called with the pool's lock held; returns with it held (dropped around the IO itself). */
+static void run_one(io_pool* p, io_req* r) {
     r->start = now();
+    in_syscall(p, r, +1);
+    pthread_mutex_unlock(&p->mu);
     int64_t want = 0;
     for (int i = 0; i < r->niov; i++) want += (int64_t)r->iov[i].iov_len;
     ssize_t got;
@@ -116,8 +129,14 @@ static void run_one(io_req* r) {
         got = r->write ? pwritev(r->fd, r->iov, r->niov, r->offset) : preadv(r->fd, r->iov, r->niov, r->offset);
     } while (got < 0 && errno == EINTR);
     r->err = got < 0 ? errno : (got != want ? EIO : 0);
+    pthread_mutex_lock(&p->mu);
     r->end = now();
-    if (r->crcs && !r->err && !r->write) checksum(r);
+    in_syscall(p, r, -1);
+    if (r->crcs && !r->err && !r->write) {
+        pthread_mutex_unlock(&p->mu);
+        checksum(r);
+        pthread_mutex_lock(&p->mu);
+    }
 }
 
 static void* worker(void* arg) {
@@ -132,9 +151,7 @@ static void* worker(void* arg) {
             pthread_cond_wait(&p->work, &p->mu);
             continue;
         }
-        pthread_mutex_unlock(&p->mu);
-        run_one(r);
-        pthread_mutex_lock(&p->mu);
+        run_one(p, r);
         push(&p->done_head, &p->done_tail, r);
         pthread_cond_signal(&p->done);
     }
@@ -181,6 +198,17 @@ int kvs_io_pool_short_slice_threads(void* pool) {
     int n = p->short_slice;
     pthread_mutex_unlock(&p->mu);
     return n;
+}
+
+/* Seconds during which at least one read (write = 0) or write (1) was in its syscall, the spell still
+   open included: the pool's disk time of that kind, across its threads. */
+double kvs_io_pool_busy_seconds(void* pool, int write) {
+    io_pool* p = pool;
+    int k = write != 0;
+    pthread_mutex_lock(&p->mu);
+    double s = p->busy[k] + (p->in_syscall[k] ? now() - p->since[k] : 0.0);
+    pthread_mutex_unlock(&p->mu);
+    return s;
 }
 
 /* Queue one IO: write (1) or read (0) of niov buffers (addresses and lengths) at fd's offset. For a
