@@ -177,7 +177,8 @@ def test_the_ios_time_in_syscalls_is_reported_beside_the_lockstep_rows_and_never
     # busy clocks: writes 1 GB/s (91% of 1.1), reads 3 GB/s (60% of 5); in syscalls only: 2 GB/s and 4 GB/s
     report = _report(ChatReference(11 * 10**8, 1.0, 10**9, 0.2, 0), write_io_seconds=1.0, read_io_seconds=0.75)
     rows = {t.name: t for t in report.transfers()}
-    write, read = rows["NVMe write in the chat, its IO in syscalls only"], rows["NVMe read in the chat, its IO in syscalls only"]
+    write = rows["NVMe write in the chat, its IO in syscalls only"]
+    read = rows["NVMe read in the chat, its IO in syscalls only"]
     assert not write.target and not read.target
     assert write.gb_per_s == pytest.approx(2.0) and write.reference_gb_per_s == pytest.approx(1.1)
     assert read.ratio == pytest.approx(0.8)

@@ -75,8 +75,8 @@ def format_report(r: TieringReport) -> str:
         lines.append(f"  [{mark:>6}] {t.name}: {t.detail}")
     if where := [t for t in r.transfers() if not t.target and t.ratio is not None]:
         lines.append("where the NVMe time goes (not targets):")
-        lines += [f"  {t.name}: {t.gb_per_s:.2f} GB/s = {t.ratio:.0%} of {t.reference} ({t.reference_gb_per_s:.2f} GB/s)"
-                  for t in where]
+        lines += [f"  {t.name}: {t.gb_per_s:.2f} GB/s = {t.ratio:.0%} of {t.reference} "
+                  f"({t.reference_gb_per_s:.2f} GB/s)" for t in where]
     return "\n".join(lines)
 
 
