@@ -43,23 +43,21 @@ def nvme_transfers(nvme: dict[str, Any], disk: DiskRates) -> list[Transfer]:
 def chat_lockstep_transfers(nvme: dict[str, Any], ref: ChatReference | None) -> list[Transfer]:
     """The NVMe tier's write and read rates in the chat (as nvme_transfers) against one thread's
     sequential O_DIRECT IO of each turn's bytes right after the turn (chat_lockstep.py); none
-    without a reference, or where the filesystem has no O_DIRECT."""
+    without a reference, or where the filesystem has no O_DIRECT. With C IO threads, each row comes
+    again over the tier's time in syscalls only, beside the targets."""
     if ref is None:
         return []
-    rows = [Transfer(f"NVMe {kind} in the chat", rate, f"O_DIRECT {kind}s of each turn's bytes, lockstep", reference)
-            for kind, rate in _chat_rates(nvme).items() if (reference := ref.gb_per_s(kind)) is not None]
-    return rows + [Transfer(f"{row.name}, its IO in syscalls only", rate, row.reference, row.reference_gb_per_s,
-                            target=False)
-                   for row in rows if (rate := _disk_rate(nvme, row.name.split()[1])) is not None]
-
-
-def _disk_rate(nvme: dict[str, Any], kind: str) -> float | None:
-    """GB/s of the kind ("write" or "read") over the seconds with such an IO in its syscall on the C
-    IO threads, timed as the reference times its own IO: the busy clock less the thread wake-ups, the
-    reaper, its callbacks and the GIL; None without C IO."""
-    seconds = nvme.get(f"{kind}_io_seconds")
-    return None if seconds is None else _rate(nvme.get("bytes_written" if kind == "write" else "bytes_read", 0),
-                                              seconds)
+    rows, where = [], []
+    disk = _chat_rates(nvme, "io")
+    for kind, rate in _chat_rates(nvme).items():
+        if (reference := ref.gb_per_s(kind)) is None:
+            continue
+        name, against = f"NVMe {kind} in the chat", f"O_DIRECT {kind}s of each turn's bytes, lockstep"
+        rows.append(Transfer(name, rate, against, reference))
+        if disk[kind] is not None:  # timed as the reference times its own IO: the busy clock less the
+            # thread wake-ups, the reaper, its callbacks and the GIL (C IO threads only)
+            where.append(Transfer(f"{name}, its IO in syscalls only", disk[kind], against, reference, target=False))
+    return rows + where
 
 
 def probe_transfers(probe: TierProbe | None) -> list[Transfer]:
@@ -96,10 +94,11 @@ def dram_probe_transfers(probe: DramProbe | None) -> list[Transfer]:
     return rows
 
 
-def _chat_rates(nvme: dict[str, Any]) -> dict[str, float | None]:
-    """The NVMe tier's write and read GB/s in the chat, from its stats (None: no such bytes moved)."""
-    return {"write": _rate(nvme.get("bytes_written", 0), nvme.get("write_busy_seconds", 0)),
-            "read": _rate(nvme.get("bytes_read", 0), nvme.get("read_busy_seconds", 0))}
+def _chat_rates(nvme: dict[str, Any], clock: str = "busy") -> dict[str, float | None]:
+    """The NVMe tier's write and read GB/s in the chat, from its stats, over its busy clocks or (clock
+    "io") its IO threads' time in syscalls (None: no such bytes moved, or no such clock)."""
+    return {"write": _rate(nvme.get("bytes_written", 0), nvme.get(f"write_{clock}_seconds") or 0),
+            "read": _rate(nvme.get("bytes_read", 0), nvme.get(f"read_{clock}_seconds") or 0)}
 
 
 def _rate(num_bytes: int, seconds: float) -> float | None:
