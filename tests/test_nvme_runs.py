@@ -5,6 +5,7 @@ only its own blocks, a bad slot inside a run costs only itself, and the runs nev
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import pytest
@@ -320,27 +321,38 @@ def test_a_bug_in_a_runs_check_or_read_reaches_the_caller_and_every_slot_is_let_
     tier.close()
 
 
+def resident(t: torch.Tensor) -> int:
+    """Bytes of t's memory that are in RAM (mincore over its pages; not the whole mapping's Rss in
+    smaps, which counts a neighbour the kernel merged into the same mapping)."""
+    page = 4096
+    start = t.data_ptr() - t.data_ptr() % page
+    n = -(-(t.data_ptr() + t.numel() * t.element_size() - start) // page)
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(v & 1 for v in vec) * page
+
+
 @needs_thp
 def test_prefault_faults_in_the_buffers_the_first_takes_hand_out_and_never_touches_one_in_use():
-    def resident(buf: torch.Tensor) -> int:  # bytes of the arena's mapping in memory
-        return int(_smaps_entry(buf.data_ptr())["Rss"].split()[0]) * 1024
-
     slot = 256 << 10
     cold = ReadBuffers(slot_bytes=slot, limit=32)  # an 8 MB arena: four huge pages
-    assert resident(cold.take()) == 0  # a take alone faults nothing in; the read does
+    cold.take()
+    assert resident(cold._arena) == 0  # a take alone faults nothing in; the read does
     warm = ReadBuffers(slot_bytes=slot, limit=32)
     warm.prefault(16)
     first = warm.take()
-    assert 16 * slot <= resident(first) <= 16 * slot + HUGE_PAGE
+    assert 16 * slot <= resident(warm._arena) <= 16 * slot + HUGE_PAGE
     first.fill_(7)  # as a read would; prefault again must leave it alone
     warm.prefault(32)
-    assert bool((first == 7).all()) and resident(first) <= 16 * slot + HUGE_PAGE
+    assert bool((first == 7).all()) and resident(warm._arena) <= 16 * slot + HUGE_PAGE
 
 
 @needs_thp
 def test_a_tier_opens_with_its_first_read_buffers_faulted_in(tmp_path):
     tier = tier_at(tmp_path)
     slots = min(tier.geometry.num_slots, nvme.PREFAULT_READ_BYTES // tier.geometry.slot_bytes)
-    buf = tier._read_buffers.take()
-    assert int(_smaps_entry(buf.data_ptr())["Rss"].split()[0]) * 1024 >= slots * tier.geometry.slot_bytes
+    tier._read_buffers.take()
+    assert resident(tier._read_buffers._arena) >= slots * tier.geometry.slot_bytes
     tier.close()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.tiering.block_file import ALIGN, BlockHeader
+from kvstrata.tiering.block_file import ALIGN, BlockHeader, HeadPacker
 from kvstrata.tiering.disk_io import aligned_buffer, io_buffer
 from kvstrata.tiering.io_pool import IoPool
 from kvstrata.tiering.slab import SlabFiles
@@ -134,6 +134,7 @@ class SlotIO:
         self.max_run = max_run
         self.buffers = buffers
         self._thread_local = threading.local()  # each IO thread's staging buffer
+        self._heads = HeadPacker(layout_tag, self.dtype_name, block_shape, payload_bytes)
 
     def is_our_layout(self, header: BlockHeader) -> bool:
         return (header.layout_tag == self.layout_tag and header.dtype_name == self.dtype_name
@@ -179,8 +180,8 @@ class SlotIO:
     def _heads_into_staged(self, run: list[SlotWrite]) -> None:
         """Each staged block's head, its payload CRC taken from where staging stashed it."""
         for w in run:
-            head = self._header(w, stashed_crc(w.staged)).pack()
-            memoryview(w.staged.numpy())[:len(head)] = head
+            head = self._heads.pack(w.block_hash, w.parent_hash or b"", stashed_crc(w.staged), w.seq)
+            ctypes.memmove(w.staged.data_ptr(), head, len(head))  # into the slot's first bytes (its write buffer)
 
     def _write_run(self, run: list[SlotWrite]) -> None:
         """Adjacent slots, staged one after another in this thread's aligned buffer, in one pwrite;
