@@ -88,6 +88,8 @@ def test_bench_throughput_cli_tiny(tmp_path, capsys, monkeypatch, hf_reference):
     stdout = capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["workload"] == "random"
+    assert report["scheduling"] == "offline"  # the default: a batch judged by its total time
+    assert "kvstrata scheduling: offline" in stdout
     assert report["kvstrata"]["num_requests"] == 2
     assert report["baselines"][0]["engine"].startswith("hf-generate")
     assert report["ratio_output_tokens_per_s"] > 0
@@ -179,8 +181,9 @@ def test_bench_throughput_ablation_and_bound_cli_tiny(tmp_path, capsys):
 
     out = tmp_path / "bound.json"
     assert main(["bench", "throughput", "--workload", "shared-prefix", "--num-requests", "2", "--quick",
-                 "--json", str(out)]) == 0
+                 "--scheduling", "fcfs", "--json", str(out)]) == 0
     j = json.loads(out.read_text())
+    assert j["scheduling"] == "fcfs"
     assert j["bound"]["seconds"] > 0 and j["bound"]["kind"] in ("compute", "memory")
     assert j["bound_ratio"] == pytest.approx(j["kvstrata"]["wall_s"] / j["bound"]["seconds"], rel=0.01)
     assert "roofline bound" in capsys.readouterr().out

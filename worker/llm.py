@@ -32,7 +32,8 @@ class LLM:
                  nvme_kv_dir: str | None = None, nvme_kv_bytes: int | None = None,
                  pin_quota_bytes: int | None = None, nvme_admission: str = "reuse",
                  tensor_parallel_size: int = 1, worker_id: str = "", kv_dtype: str = "auto",
-                 kv_eviction: EvictionPolicy | str | None = None):
+                 kv_eviction: EvictionPolicy | str | None = None, scheduling: str = "fcfs",
+                 offline_step_rows: int | None = None):
         """cpu_kv_bytes adds a DRAM tier under the device pool, and nvme_kv_dir (with nvme_kv_bytes)
         an NVMe tier under that: blocks the pool evicts are kept there and promoted back on a hit.
         pin_quota_bytes caps one tenant's prompt-cache pins (default: all pins' limit, half the lowest tier).
@@ -46,7 +47,11 @@ class LLM:
         kv_eviction: a token eviction policy (lossy) for every request that names none in its
         SamplingParams, e.g. "streaming(sinks=4, window=252)" (see worker/token_eviction.py).
         max_num_batched_tokens: a step's token budget, which is also the largest prefill chunk;
-        by default 512 on CPU, where a step of 512 tokens is already compute-bound, and 2048 on GPU."""
+        by default 512 on CPU, where a step of 512 tokens is already compute-bound, and 2048 on GPU.
+        scheduling: "fcfs" (first come, first served within a priority) or "offline", for batch jobs
+        judged by their total time: the longest max_tokens is admitted first, and prompt tokens ride
+        in decode steps up to offline_step_rows rows a step (default 16 on CPU, where a step of that
+        many rows still costs about what its weight reads cost, and 128 on GPU); see worker/scheduler.py."""
         _check_positive("block_size", block_size)
         if num_gpu_blocks is not None:
             _check_positive("num_gpu_blocks", num_gpu_blocks)
@@ -55,6 +60,9 @@ class LLM:
         if max_num_batched_tokens is not None:
             _check_positive("max_num_batched_tokens", max_num_batched_tokens)
         _check_positive("max_num_seqs", max_num_seqs)
+        if offline_step_rows is not None:
+            _check_positive("offline_step_rows", offline_step_rows)
+        SchedulerConfig(policy=scheduling)  # ValueError naming scheduling, before the model loads
         _check_tier_args(cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes)
         kv_eviction = resolve_eviction(kv_eviction, "kv_eviction")
         if kv_eviction is KEEP_ALL:
@@ -103,6 +111,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len or limit,
+            policy=scheduling,
+            offline_step_rows=offline_step_rows or (16 if loaded.model.device.type == "cpu" else 128),
         )
         if cpu_kv_bytes is not None:
             tiers = _build_tiers(runner, block_bytes, cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes, layout_tag, admission)

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from dataclasses import dataclass, field
 
 from kvstrata.worker.kv_cache_manager import KVCacheManager
 from kvstrata.worker.model_runner import ScheduledBatch
 from kvstrata.worker.request import FinishReason, Request, RequestStatus
+
+
+SCHEDULING_POLICIES = ("fcfs", "offline")
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,15 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_model_len: int = 2048
     long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk per step; 0 = budget
+    policy: str = "fcfs"  # or "offline" (see the module's docstring)
+    offline_step_rows: int = 16  # the "offline" policy's rows in a step with decodes
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling must be one of {', '.join(SCHEDULING_POLICIES)}; got {self.policy!r}")
+        if isinstance(self.offline_step_rows, bool) or not isinstance(self.offline_step_rows, int) \
+                or self.offline_step_rows < 1:
+            raise ValueError(f"offline_step_rows must be a positive integer; got {self.offline_step_rows!r}")
 
 
 @dataclass
@@ -50,6 +63,7 @@ class Scheduler:
         self._push_seq = 0
         self.num_preemptions = 0
         self.num_swaps = 0
+        self._offline = config.policy == "offline"
 
     @property
     def num_waiting(self) -> int:
@@ -59,16 +73,23 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def _key(self, request: Request) -> tuple[int, ...]:
+        """Lower runs first (and is preempted last)."""
+        if self._offline:  # the longest output first, within a priority
+            p = request.params
+            return (p.priority, -p.max_tokens, request.arrival, request.sample_index)
+        return request.sort_key
+
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self._push_seq += 1
-        heapq.heappush(self._waiting, (request.sort_key, self._push_seq, request))
+        heapq.heappush(self._waiting, (self._key(request), self._push_seq, request))
         self._num_waiting += 1
 
     def add_running(self, request: Request) -> None:
         """Insert an already-prepared request (a fork sharing its parent's blocks) as running."""
         request.status = RequestStatus.RUNNING
-        bisect.insort(self.running, request, key=lambda r: r.sort_key)
+        bisect.insort(self.running, request, key=self._key)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Remove a request wherever it is and free its blocks (finish or abort)."""
@@ -81,7 +102,7 @@ class Scheduler:
         request.finish_reason = reason
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        budget = self._offline_budget() if self._offline else self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
 
@@ -156,6 +177,38 @@ class Scheduler:
             block_copies=self.kv.drain_copies(),
         )
         return SchedulerOutput(batch, preempted)
+
+    def _offline_budget(self) -> int:
+        """The "offline" policy's budget while requests decode. The running requests will take S
+        more decode steps anyway (the most output tokens any of them still has to go). Each prompt
+        still to compute, in the order it runs, has a deadline: S less its own output tokens, so
+        that its decodes end with the longest. The budget carries the decodes plus the prompt
+        tokens a step that meets every deadline at an even rate, and at least offline_step_rows
+        rows (those ride nearly free), at most the full budget."""
+        full = self.config.max_num_batched_tokens
+        decodes = 0
+        steps_left = 0
+        prompts: list[tuple[int, int]] = []  # (tokens to compute, output tokens to go), in running order
+        for req in self.running:
+            todo = req.num_tokens - req.num_computed_tokens
+            outputs_left = req.params.max_tokens - req.num_output_tokens
+            steps_left = max(steps_left, outputs_left)
+            if todo == 1:
+                decodes += 1
+            else:
+                prompts.append((todo, outputs_left))
+        if decodes == 0:
+            return full
+        prompts += [(req.num_tokens - req.num_computed_tokens, req.params.max_tokens)
+                    for _, _, req in sorted(self._waiting) if req.status is RequestStatus.WAITING]
+        rate = 0.0
+        queued = 0
+        for todo, outputs_left in prompts:
+            queued += todo
+            if outputs_left >= steps_left:
+                return full  # it outlasts every running request: start it now
+            rate = max(rate, queued / (steps_left - outputs_left))
+        return min(full, max(self.config.offline_step_rows, decodes + math.ceil(rate)))
 
     def _admit(self, req: Request, n: int, scheduled: list[tuple[Request, int]]) -> None:
         heapq.heappop(self._waiting)

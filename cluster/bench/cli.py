@@ -115,6 +115,9 @@ def _add_throughput(bench_sub) -> None:
     p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, default="auto",
                    help="KV cache storage for kvstrata (auto: the model dtype; others are lossy)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scheduling", choices=["fcfs", "offline"], default="offline",
+                   help="kvstrata's scheduling policy (default offline: every request arrives at once and only "
+                        "the total time counts; fcfs: first come, first served, as an online server runs)")
     p.add_argument("--json", type=Path, default=None, help="write the report as one JSON object")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart (needs matplotlib)")
     p.add_argument("--no-bound", action="store_true", help="skip measuring the machine's peaks and the roofline bound")
@@ -149,14 +152,14 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     if args.ablate_prefix_caching:
         return _run_ablation(args)
     workload = WORKLOADS[args.workload](num_requests=args.num_requests, seed=args.seed)
-    llm = LLM(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype)
+    llm = LLM(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, scheduling=args.scheduling)
     hf = None
     reports = []
     for _ in range(args.rounds):
         llm.reset_prefix_cache()  # every round starts cold, so hits come from the workload alone
         # peaks measured just before and just after the run; the bound uses the better of the two
         before = None if args.no_bound else _measure_peaks((args.dtype,), args.quick)
-        report = ThroughputReport(workload.name, run_kvstrata(llm, workload))
+        report = ThroughputReport(workload.name, run_kvstrata(llm, workload), scheduling=args.scheduling)
         if before is not None:
             report.bound = _workload_bound(llm, workload, args.dtype, [before, _measure_peaks((args.dtype,), args.quick)])
         if args.baseline == "hf" and hf is None:

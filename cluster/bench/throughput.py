@@ -254,6 +254,7 @@ class ThroughputReport:
     kvstrata: RunResult
     baselines: list[RunResult] = field(default_factory=list)
     bound: Bound | None = None
+    scheduling: str = "fcfs"  # kvstrata's scheduling policy in the run
 
     @property
     def bound_ratio(self) -> float | None:
@@ -268,6 +269,7 @@ class ThroughputReport:
         best = self.best_baseline
         return {
             "workload": self.workload,
+            "scheduling": self.scheduling,
             "kvstrata": self.kvstrata.summary(),
             "baselines": [b.summary() for b in self.baselines],
             "best_baseline": best.engine if best else None,
@@ -284,7 +286,7 @@ class ThroughputReport:
 
 def format_report(report: ThroughputReport) -> str:
     rows = [report.kvstrata, *report.baselines]
-    lines = [f"workload: {report.workload}",
+    lines = [f"workload: {report.workload}; kvstrata scheduling: {report.scheduling}",
              f"{'engine':<24}{'out tok/s':>11}{'total tok/s':>13}{'p50 s':>9}{'p90 s':>9}{'p99 s':>9}{'hit rate':>10}"]
     for r in rows:
         s = r.summary()
