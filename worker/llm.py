@@ -50,7 +50,7 @@ class LLM:
         by default 512 on CPU, where a step of 512 tokens is already compute-bound, and 2048 on GPU.
         scheduling: "fcfs" (first come, first served within a priority) or "offline", for batch jobs
         judged by their total time: the longest max_tokens is admitted first, and prompt tokens ride
-        in decode steps up to offline_step_rows rows a step (default 16 on CPU, where a step of that
+        in decode steps up to offline_step_rows rows a step (default 12 on CPU, where a step of that
         many rows still costs about what its weight reads cost, and 128 on GPU); see worker/scheduler.py."""
         _check_positive("block_size", block_size)
         if num_gpu_blocks is not None:
@@ -112,7 +112,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len or limit,
             policy=scheduling,
-            offline_step_rows=offline_step_rows or (16 if loaded.model.device.type == "cpu" else 128),
+            offline_step_rows=offline_step_rows or (12 if loaded.model.device.type == "cpu" else 128),
         )
         if cpu_kv_bytes is not None:
             tiers = _build_tiers(runner, block_bytes, cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes, layout_tag, admission)

@@ -33,7 +33,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk per step; 0 = budget
     policy: str = "fcfs"  # or "offline" (see the module's docstring)
-    offline_step_rows: int = 16  # the "offline" policy's rows in a step with decodes
+    offline_step_rows: int = 12  # the "offline" policy's rows in a step with decodes
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
