@@ -45,7 +45,12 @@ from kvstrata.tiering.slot_io import ReadBuffers, SlotIO, SlotWrite
 from kvstrata.tiering.slot_stage import StagedCopies
 from kvstrata.tiering.slots import SlotTable
 
-RUN_BYTES = 4 << 20  # the most one pwrite or preadv moves: adjacent slots go together up to this
+RUN_BYTES = 4 << 20  # the most one pwrite moves: adjacent slots go together up to this
+# the most one preadv on the C IO threads moves. Against runs of up to 4 MB, reads of 1 MB (one
+# float32 slot of the default model) ran at 0.86-0.90 of the lockstep reference instead of
+# 0.77-0.84 on a 2-core Xeon's virtual disk, in the chat and alone; writes in 1 MB runs lost in the
+# chat (more completions through Python), so they keep RUN_BYTES (docs/benchmarks.md)
+READ_RUN_BYTES = 1 << 20
 READ_BUFFER_BYTES = 256 << 20  # read buffers (an arena on huge pages, slot_io.ReadBuffers) kept for reuse
 PREFAULT_READ_BYTES = 64 << 20  # of those, faulted in at open: about what loads have out at once
 STAGED_BUFFER_BYTES = 64 << 20  # write buffers that blocks leaving DRAM are staged in (slot_stage.py)
@@ -176,6 +181,7 @@ class NvmeTier:
             self._read_buffers.prefault(min(self.geometry.num_slots, PREFAULT_READ_BYTES // self.geometry.slot_bytes))
             self._io = SlotIO(self._slabs, layout_tag, dtype, shape, self.payload_bytes,
                               max(1, RUN_BYTES // self.geometry.slot_bytes), self._read_buffers)
+            self._max_read_run = max(1, READ_RUN_BYTES // self.geometry.slot_bytes)
             self._staged = StagedCopies(self.geometry.slot_bytes, head_bytes, dtype, shape, self.payload_bytes,
                                         max(8, STAGED_BUFFER_BYTES // self.geometry.slot_bytes))
             # writes and loads on C threads (io_pool.py) where the C kernels stage blocks, else on the executor
@@ -478,7 +484,8 @@ class NvmeTier:
         run, resolved on the reaper once the run is checked and its slots let go."""
         reading = self._begin_reads(batch)
         futures = []
-        for run in self._io.runs(reading, self._run_limit(len(reading)), slot_of=lambda r: r[2].slot):
+        limit = self._run_limit(len(reading), self._max_read_run)
+        for run in self._io.runs(reading, limit, slot_of=lambda r: r[2].slot):
             future: Future = Future()
             futures.append(future)
             start = self._read_clock.begin()
@@ -647,16 +654,17 @@ class NvmeTier:
                     self._end_writes(rest, set(), self._write_clock.begin())
                 raise
 
-    def _run_limit(self, n: int) -> int:
+    def _run_limit(self, n: int, most: int | None = None) -> int:
         """The longest run for a burst of n blocks on the C IO threads: as many runs as threads where
         the burst allows (one 3 MB write alone ran at 1.3 GB/s in the chat), and past max_run per
         thread, runs of even length in as few rounds of the threads as max_run allows, so that no
-        thread is left with a last run alone. The threads take runs as they come free:
+        thread is left with a last run alone (most: max_run by default; loads pass their own). The threads
+        take runs as they come free:
 
             45 blocks, 4 threads, max_run 5:  runs of 5 -> 9 runs, rounds 4 + 4 + 1: 15 blocks a thread
                                               runs of 4 -> 12 runs, rounds 4 + 4 + 4: 12 (11.25 if even)
         """
-        threads, most = self.num_io_threads, self._io.max_run
+        threads, most = self.num_io_threads, most or self._io.max_run
         rounds = max(1, -(-n // (threads * most)))
         return max(1, min(most, -(-n // (threads * rounds))))
 
