@@ -109,6 +109,20 @@ def test_offline_gives_the_full_budget_to_a_waiting_request_that_outlasts_the_ru
     assert steps[1] == [("first", 1), ("longer", 15)]  # not capped at 4 rows: it decodes past "first"
 
 
+def test_offline_budget_follows_the_queue_as_requests_join_and_leave_it():
+    sched = _scheduler("offline", budget=64, rows=4)
+    _request(sched, "long", 64, 12)
+    assert _step(sched) == [("long", 64)]  # 11 decode steps left
+    p0 = _request(sched, "p0", 60, 5)  # due 6 steps from now: 10 a step
+    assert sched._offline_budget() == 1 + 10
+    p1 = _request(sched, "p1", 60, 5)  # both due then: 20 a step
+    assert sched._offline_budget() == 1 + 20
+    sched.finish(p1, FinishReason.ABORT)  # an abort while waiting
+    assert sched._offline_budget() == 1 + 10
+    sched.finish(p0, FinishReason.ABORT)
+    assert sched._offline_budget() == 4  # nothing to compute: the decode and room to ride
+
+
 def test_scheduling_config_names_the_bad_field():
     with pytest.raises(ValueError, match="scheduling"):
         SchedulerConfig(policy="lifo")

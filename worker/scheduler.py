@@ -64,6 +64,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0
         self._offline = config.policy == "offline"
+        # the "offline" policy's view of the waiting prompts, (tokens, max_tokens) in admission
+        # order, rebuilt only when a request joins or leaves the queue
+        self._waiting_prompts: list[tuple[int, int]] | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -85,6 +88,7 @@ class Scheduler:
         self._push_seq += 1
         heapq.heappush(self._waiting, (self._key(request), self._push_seq, request))
         self._num_waiting += 1
+        self._waiting_prompts = None
 
     def add_running(self, request: Request) -> None:
         """Insert an already-prepared request (a fork sharing its parent's blocks) as running."""
@@ -97,6 +101,7 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self._num_waiting -= 1  # its heap entry is skipped lazily
+            self._waiting_prompts = None
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -199,8 +204,10 @@ class Scheduler:
                 prompts.append((todo, outputs_left))
         if decodes == 0:
             return full
-        prompts += [(req.num_tokens - req.num_computed_tokens, req.params.max_tokens)
-                    for _, _, req in sorted(self._waiting) if req.status is RequestStatus.WAITING]
+        if self._waiting_prompts is None:
+            self._waiting_prompts = [(req.num_tokens - req.num_computed_tokens, req.params.max_tokens)
+                                     for _, _, req in sorted(self._waiting) if req.status is RequestStatus.WAITING]
+        prompts += self._waiting_prompts
         rate = 0.0
         queued = 0
         for todo, outputs_left in prompts:
@@ -213,6 +220,7 @@ class Scheduler:
     def _admit(self, req: Request, n: int, scheduled: list[tuple[Request, int]]) -> None:
         heapq.heappop(self._waiting)
         self._num_waiting -= 1
+        self._waiting_prompts = None
         self.add_running(req)
         scheduled.append((req, n))
 
