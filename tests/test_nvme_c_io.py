@@ -370,6 +370,16 @@ def test_loads_go_out_in_runs_of_their_own_size_not_the_writes(tmp_path, monkeyp
     assert sorted(submitted) == [(2 * k * SLOT, 2) for k in range(6)]  # reads of two slots each
     tier.check_integrity()
     tier.close()
+    monkeypatch.setenv("KVSTRATA_NVME_READ_RUN_KB", str(3 * SLOT // 1024))  # an operator's own size
+    again = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=2, c_io=True)
+    del submitted[:]
+    assert all(same(g, data_of(n)) for n, g in zip(names, again.get_many([h(n) for n in names]).result(timeout=10)))
+    assert sorted(submitted) == [(3 * k * SLOT, 3) for k in range(4)]
+    again.close()
+    for bad in ("0", "2", "65537", "1m", ""):
+        monkeypatch.setenv("KVSTRATA_NVME_READ_RUN_KB", bad)
+        with pytest.raises(ValueError, match="KVSTRATA_NVME_READ_RUN_KB"):
+            tier_at(tmp_path / "refused", c_io=True)
 
 
 def test_blocks_not_staged_are_staged_at_the_put(tmp_path):

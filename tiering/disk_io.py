@@ -77,6 +77,17 @@ def io_slice_us() -> int:
     return int(env)
 
 
+def read_run_bytes(default: int) -> int:
+    """KVSTRATA_NVME_READ_RUN_KB: the most one load's preadv on the C IO threads moves, in KiB
+    (4 to 65536), for a disk that reads faster in other sizes; `default` when unset."""
+    env = os.environ.get("KVSTRATA_NVME_READ_RUN_KB")
+    if env is None:
+        return default
+    if not env.isdigit() or not 4 <= int(env) <= 65536:
+        raise ValueError(f"KVSTRATA_NVME_READ_RUN_KB must be 4 to 65536, got {env!r}")
+    return int(env) << 10
+
+
 def request_short_slice(slice_us: int) -> bool:
     """Ask the scheduler for a short time slice for the calling thread (only it): sched_setattr with
     SCHED_OTHER, the thread's own nice value, and sched_runtime = the slice. No privilege is needed.

@@ -36,7 +36,14 @@ from typing import Callable
 import torch
 
 from kvstrata.tiering.block_file import MAX_HASH_BYTES, MAX_HEADER_BYTES, max_head_len
-from kvstrata.tiering.disk_io import O_DIRECT, BusyClock, io_slice_us, request_short_slice, supports_direct_io
+from kvstrata.tiering.disk_io import (
+    O_DIRECT,
+    BusyClock,
+    io_slice_us,
+    read_run_bytes,
+    request_short_slice,
+    supports_direct_io,
+)
 from kvstrata.tiering.io_pool import nvme_pool
 from kvstrata.tiering.nvme_index import BlockIndex, IndexEntry
 from kvstrata.tiering.slab import SLAB_BYTES, SlabFiles, SlabGeometry
@@ -49,7 +56,8 @@ RUN_BYTES = 4 << 20  # the most one pwrite moves: adjacent slots go together up 
 # the most one preadv on the C IO threads moves. Against runs of up to 4 MB, reads of 1 MB (one
 # float32 slot of the default model) ran at 0.86-0.90 of the lockstep reference instead of
 # 0.77-0.84 on a 2-core Xeon's virtual disk, in the chat and alone; writes in 1 MB runs lost in the
-# chat (more completions through Python), so they keep RUN_BYTES (docs/benchmarks.md)
+# chat (more completions through Python), so they keep RUN_BYTES (docs/benchmarks.md).
+# KVSTRATA_NVME_READ_RUN_KB sets another size.
 READ_RUN_BYTES = 1 << 20
 READ_BUFFER_BYTES = 256 << 20  # read buffers (an arena on huge pages, slot_io.ReadBuffers) kept for reuse
 PREFAULT_READ_BYTES = 64 << 20  # of those, faulted in at open: about what loads have out at once
@@ -163,6 +171,7 @@ class NvmeTier:
         self._write_clock = BusyClock()
         self._closed = False
         self.io_slice_us = io_slice_us()
+        read_run = read_run_bytes(READ_RUN_BYTES)
         self._short_slice_threads = 0
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock_fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -181,7 +190,7 @@ class NvmeTier:
             self._read_buffers.prefault(min(self.geometry.num_slots, PREFAULT_READ_BYTES // self.geometry.slot_bytes))
             self._io = SlotIO(self._slabs, layout_tag, dtype, shape, self.payload_bytes,
                               max(1, RUN_BYTES // self.geometry.slot_bytes), self._read_buffers)
-            self._max_read_run = max(1, READ_RUN_BYTES // self.geometry.slot_bytes)
+            self._max_read_run = max(1, read_run // self.geometry.slot_bytes)
             self._staged = StagedCopies(self.geometry.slot_bytes, head_bytes, dtype, shape, self.payload_bytes,
                                         max(8, STAGED_BUFFER_BYTES // self.geometry.slot_bytes))
             # writes and loads on C threads (io_pool.py) where the C kernels stage blocks, else on the executor
