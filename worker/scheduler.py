@@ -9,6 +9,14 @@ When a running request cannot get a block, the lowest-priority, latest-arrived r
 preempted by recompute: its blocks are freed and `num_computed_tokens` goes back to 0 (its prefix
 blocks usually come straight back from the prefix cache). No new request is admitted in a step that
 preempted, so a preempted request is never overtaken by a newer one of the same priority.
+
+The "offline" policy is for batch jobs judged by their total time, where every request's
+max_tokens is known up front. Among requests of equal priority, the one with the most output
+tokens to go is admitted first (and preempted last), so that the longest decode starts early.
+While requests decode, a step takes prompt tokens only up to `offline_step_rows` rows in all, so
+that it stays memory-bound and the prompt tokens ride along nearly free, or more where the prompts
+still to compute would otherwise end their own decodes after the longest running request (see
+_offline_budget). A step with no decodes takes the full budget.
 """
 
 from __future__ import annotations
