@@ -518,9 +518,10 @@ def test_a_slot_outside_the_pool_is_refused_before_the_fused_write(llm):
 
 @needs_kernels
 def test_crc32_equals_zlib_for_every_length_offset_and_seed():
-    """The folding CRC takes 256 bytes a step where the CPU has 512-bit carry-less multiplies, then
-    64, then 16, then single bytes: every length around those steps, unaligned starts (of the
-    source and of a copy's destination) and a running value carried in must give zlib's values."""
+    """The folding CRC takes 256 bytes a step where the CPU has 512-bit carry-less multiplies (128,
+    then 32, with 256-bit ones on AVX2), then 64, then 16, then single bytes: every length around
+    those steps, unaligned starts (of the source and of a copy's destination) and a running value
+    carried in must give zlib's values."""
     import random
     import zlib
 
