@@ -105,7 +105,7 @@ static __m128i fold_wide(uint32_t crc, const uint8_t *src, uint8_t *dst, size_t 
 }
 #define KVS_CRC_WIDE 1
 #elif defined(__VPCLMULQDQ__) && defined(__AVX2__)
-/* AVX2 cores with 256-bit carry-less multiplies (Zen 3 and Zen 4's AVX2 builds, Alder Lake): four
+/* AVX2 cores with 256-bit carry-less multiplies and no AVX-512 (Zen 3; VMs that hide AVX-512): four
  * 256-bit registers fold 128 bytes a step, eight 128-bit lanes where crc_fold has four. crc_fold's
  * four chains wait on the multiply's latency; on a Zen 3 core a 0.74 MB CRC from cache took 79 us
  * that way. The copy streams where dst is 32-byte aligned, as the 512-bit path does at 64. */
