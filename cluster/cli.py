@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvstrata.cluster.argtypes import integer, non_negative_float, positive_int
+from kvstrata.cluster.argtypes import integer, non_negative_float, non_negative_int, positive_int
 from kvstrata.cluster.bench.cli import add_bench_parser
 from kvstrata.cluster.client_cmd import add_client_parser
 from kvstrata.cluster.serve_cmd import add_serve_parser, eviction_spec
@@ -47,6 +47,9 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--kv-eviction", type=eviction_spec, default=None, metavar="POLICY",
                    help="token eviction (lossy): sliding_window(W), streaming(sinks=S, window=W), "
                         "h2o(heavy=H, recent=R) or snapkv(window=O, budget=B)")
+    p.add_argument("--speculative-tokens", type=non_negative_int, default=0,
+                   help="draft up to this many tokens a step by n-gram lookup in the prompt and output, checked "
+                        "by the model (greedy only; the same output, faster on repetitive text); default 0: off")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt, one per line")
     p.set_defaults(func=run_generate)
 
@@ -78,7 +81,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     llm = LLM(model=args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tp,
-              kv_dtype=args.kv_dtype, kv_eviction=args.kv_eviction)
+              kv_dtype=args.kv_dtype, kv_eviction=args.kv_eviction, speculative_tokens=args.speculative_tokens)
     try:
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)

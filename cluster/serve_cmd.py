@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from kvstrata.cluster.argtypes import integer, non_negative_float
+from kvstrata.cluster.argtypes import integer, non_negative_float, non_negative_int
 from kvstrata.worker.kv_dtypes import KV_DTYPE_NAMES
 from kvstrata.worker.model_source import DEFAULT_MODEL
 
@@ -133,6 +133,8 @@ OPTIONS = [
            "(lossy, see docs/engine.md); auto: the model's dtype", KV_DTYPE_NAMES),
     Option("kv_eviction", eviction_spec, None, "a token eviction policy for every request (lossy): sliding_window(W), "
            "streaming(sinks=S, window=W), h2o(heavy=H, recent=R) or snapkv(window=O, budget=B)"),
+    Option("speculative_tokens", non_negative_int, 0, "draft up to this many tokens a step for greedy requests by "
+           "n-gram lookup in their own tokens, checked by the model (faster decoding of repetitive text; 0: off)"),
     Option("nvme_admission", _text, "reuse", "what a full NVMe tier takes: reuse (reused, shallow or pinned "
            "blocks) or all", ("reuse", "all")),
     Option("pin_quota_bytes", _size, None, "most KV one tenant may pin with cache_control (default: half the "
@@ -258,7 +260,7 @@ def _llm_kwargs(opts: dict[str, Any]) -> dict[str, Any]:
                 nvme_kv_dir=opts["nvme_kv_dir"], nvme_kv_bytes=opts["nvme_kv_bytes"],
                 pin_quota_bytes=opts["pin_quota_bytes"], nvme_admission=opts["nvme_admission"],
                 tensor_parallel_size=opts["tp"], kv_dtype=opts["kv_dtype"],
-                kv_eviction=opts["kv_eviction"])
+                kv_eviction=opts["kv_eviction"], speculative_tokens=opts["speculative_tokens"])
 
 
 def is_cluster(opts: dict[str, Any]) -> bool:

@@ -14,12 +14,13 @@ import torch
 
 from kvstrata.worker.block_hash import HashContext, hash_blocks
 from kvstrata.worker.kv_cache_manager import KVCacheManager
-from kvstrata.worker.model_runner import ModelRunner
+from kvstrata.worker.model_runner import ModelRunner, ScheduledBatch
 from kvstrata.worker.outputs import CompletionOutput, RequestOutput
 from kvstrata.worker.request import FinishReason, Request, RequestStatus, Teacher
-from kvstrata.worker.sampler import Sampler
+from kvstrata.worker.sampler import Sampler, argmax_rows
 from kvstrata.worker.sampling_params import SamplingParams
 from kvstrata.worker.scheduler import Scheduler, SchedulerConfig
+from kvstrata.worker.speculative import NgramIndex
 from kvstrata.worker.token_eviction import KEEP_ALL, EvictionPolicy, EvictionState
 from kvstrata.worker.token_evictor import TokenEvictor
 from kvstrata.worker.tokenizer import Detokenizer, Tokenizer
@@ -43,6 +44,9 @@ class EngineStats:
     # computed (prompt chunks, and tokens recomputed after a preemption)
     last_step_decodes: int = 0
     last_step_prefill_tokens: int = 0
+    # speculative decoding (worker/speculative.py): draft tokens computed, and those the model agreed with
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 class LLMEngine:
@@ -205,25 +209,33 @@ class LLMEngine:
         if out.is_empty:
             return []
         batch = out.batch
+        drafts = self._speculate(batch) if self.scheduler.config.speculative_tokens else {}
         rows: list[int] = []
         to_sample: list[Request] = []
+        spans: list[int] = []  # logits rows of each sampled row: 1, or a draft's length + 1
         num_decodes = 0
         for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            num_decodes += n == 1 and req.num_computed_tokens >= req.num_prompt_tokens
+            num_decodes += (n == 1 or req in drafts) and req.num_computed_tokens >= req.num_prompt_tokens
             if req.num_computed_tokens + n == req.num_tokens:
                 rows.append(i)
                 to_sample.append(req)
+                spans.append(n if req in drafts else 1)
                 for child in req.forks:  # n > 1: all samples draw from the prompt's last logits
                     rows.append(i)
                     to_sample.append(child)
+                    spans.append(1)
         self.runner.attention_observer = self.evictor.observer(batch)  # H2O and SnapKV scores, if any
-        logits = self.runner.execute(batch, rows)
+        logits = self.runner.execute(batch, rows, spans) if drafts else self.runner.execute(batch, rows)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
         self.evictor.after_step(batch)  # before forks, so that samples share the evicted cache
         self.stats.num_steps += 1
         self.stats.last_step_decodes = num_decodes
-        self.stats.last_step_prefill_tokens = sum(batch.num_new_tokens) - num_decodes
+        num_drafted = sum(len(d) for d in drafts.values())
+        self.stats.last_step_prefill_tokens = sum(batch.num_new_tokens) - num_decodes - num_drafted
+        checked: list[tuple[Request, list[int]]] = []  # speculative requests and the model's greedy tokens
+        if drafts:
+            logits, to_sample, checked = self._split_drafts(logits, to_sample, spans, drafts)
         result = self.sampler.sample(logits, to_sample) if to_sample else None
         if self._num_teachers and result is not None:
             self._force(logits, to_sample, result.token_ids)
@@ -234,16 +246,95 @@ class LLMEngine:
                     self.kv.fork(req, child)
                     self.scheduler.add_running(child)
                 req.forks = []
-            self.kv.cache_full_blocks(req)
+            if req not in drafts:
+                self.kv.cache_full_blocks(req)
         for j, req in enumerate(to_sample):
             lp = result.logprobs[j] if result.logprobs is not None else None
             self._append_token(req, result.token_ids[j], lp)
-            if req.is_finished:
-                group = self.groups[req.group_id]
-                group.num_finished += 1
-                if group.num_finished == len(group.samples):
-                    finished.append(self._finish_group(group))
+            self._note_finished(req, finished)
+        for req, tokens in checked:
+            self._accept(req, drafts[req], tokens)
+            self._note_finished(req, finished)
         return finished
+
+    def _note_finished(self, req: Request, finished: list[RequestOutput]) -> None:
+        if req.is_finished:
+            group = self.groups[req.group_id]
+            group.num_finished += 1
+            if group.num_finished == len(group.samples):
+                finished.append(self._finish_group(group))
+
+    # -- speculative decoding (worker/speculative.py) --------------------------------------------
+    def _speculate(self, batch: ScheduledBatch) -> dict[Request, list[int]]:
+        """Give greedy decodes of this batch drafts from their own tokens, while the step holds at
+        most speculative_step_tokens tokens; each draft joins its request's tokens for this step
+        (taken out again in _accept) and the batch is reordered, one-token rows first."""
+        cfg = self.scheduler.config
+        room = cfg.speculative_step_tokens - batch.num_tokens
+        drafts: dict[Request, list[int]] = {}
+        for i in range(batch.num_decodes):
+            if room <= 0:
+                break
+            req = batch.requests[i]
+            p = req.params
+            if (not p.greedy or p.logprobs is not None or req.teacher is not None or req.eviction is not None
+                    or req.forks or req.num_computed_tokens + 1 != req.num_tokens):
+                continue
+            # room for the accepted drafts and the model's own next token within both limits
+            k = min(cfg.speculative_tokens, room, p.max_tokens - req.num_output_tokens - 1,
+                    cfg.max_model_len - req.num_tokens - 1)
+            if k <= 0:
+                continue
+            if req.ngram is None:
+                req.ngram = NgramIndex()
+            draft = req.ngram.draft(req.token_ids, k)
+            if not draft or not self.kv.allocate_slots(req, 1 + len(draft), watermark=True):
+                continue
+            req.token_ids.extend(draft)
+            batch.num_new_tokens[i] += len(draft)
+            drafts[req] = draft
+            room -= len(draft)
+        if drafts:  # one-token rows first: attention runs them as one batch
+            order = sorted(range(len(batch.requests)), key=lambda i: batch.num_new_tokens[i] != 1)
+            batch.requests = [batch.requests[i] for i in order]
+            batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
+            batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)
+        return drafts
+
+    @staticmethod
+    def _split_drafts(logits: torch.Tensor, to_sample: list[Request], spans: list[int],
+                      drafts: dict[Request, list[int]]):
+        """(logits of the rows sampled as usual, their requests, [(speculative request, the model's
+        greedy token at each of its rows)])."""
+        plain_rows: list[int] = []
+        plain: list[Request] = []
+        checked: list[tuple[Request, list[int]]] = []
+        row = 0
+        for req, span in zip(to_sample, spans):
+            if req in drafts:
+                checked.append((req, argmax_rows(logits[row:row + span]).tolist()))
+            else:
+                plain_rows.append(row)
+                plain.append(req)
+            row += span
+        return logits[plain_rows], plain, checked
+
+    def _accept(self, req: Request, draft: list[int], tokens: list[int]) -> None:
+        """The draft's leading tokens that match the model's greedy choices, then the model's next
+        one, become the request's output; the rest of the draft is dropped. K/V computed for the
+        dropped tokens sit past num_computed_tokens, where the next tokens overwrite them."""
+        accepted = 0
+        while accepted < len(draft) and tokens[accepted] == draft[accepted]:
+            accepted += 1
+        del req.token_ids[len(req.token_ids) - len(draft):]
+        req.num_computed_tokens -= len(draft) - accepted
+        self.stats.num_draft_tokens += len(draft)
+        self.stats.num_accepted_draft_tokens += accepted
+        for token in tokens[:accepted + 1]:
+            self._append_token(req, token, None)
+            if req.is_finished:
+                return
+        self.kv.cache_full_blocks(req)
 
     def _force(self, logits: torch.Tensor, to_sample: list[Request], token_ids: list[int]) -> None:
         """Replace teacher-forced rows' samples with the teacher's tokens, recording their log-probs."""
@@ -350,5 +441,8 @@ class LLMEngine:
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             **({"tiers": self.kv.tiers.stats()} if self.kv.tiers is not None else {}),
+            **({"speculative": {"draft_tokens": self.stats.num_draft_tokens,
+                                "accepted_draft_tokens": self.stats.num_accepted_draft_tokens}}
+               if self.scheduler.config.speculative_tokens else {}),
             **({"tensor_parallel": self.runner.tp_stats()} if self.runner.model.shard is not None else {}),
         }

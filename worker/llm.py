@@ -33,7 +33,8 @@ class LLM:
                  pin_quota_bytes: int | None = None, nvme_admission: str = "reuse",
                  tensor_parallel_size: int = 1, worker_id: str = "", kv_dtype: str = "auto",
                  kv_eviction: EvictionPolicy | str | None = None, scheduling: str = "fcfs",
-                 offline_step_rows: int | None = None):
+                 offline_step_rows: int | None = None, speculative_tokens: int = 0,
+                 speculative_step_tokens: int | None = None):
         """cpu_kv_bytes adds a DRAM tier under the device pool, and nvme_kv_dir (with nvme_kv_bytes)
         an NVMe tier under that: blocks the pool evicts are kept there and promoted back on a hit.
         pin_quota_bytes caps one tenant's prompt-cache pins (default: all pins' limit, half the lowest tier).
@@ -51,7 +52,12 @@ class LLM:
         scheduling: "fcfs" (first come, first served within a priority) or "offline", for batch jobs
         judged by their total time: the longest max_tokens is admitted first, and prompt tokens ride
         in decode steps up to offline_step_rows rows a step (default 12 on CPU, where a step of that
-        many rows still costs about what its weight reads cost, and 128 on GPU); see worker/scheduler.py."""
+        many rows still costs about what its weight reads cost, and 128 on GPU); see worker/scheduler.py.
+        speculative_tokens > 0 turns on speculative decoding by n-gram lookup for greedy requests: up
+        to that many tokens a step are drafted from the request's own prompt and output and checked
+        by the model in the same step, while a step holds at most speculative_step_tokens tokens
+        (default 16 on CPU, where such a step is still bound by its weight reads, and 256 on GPU);
+        see worker/speculative.py."""
         _check_positive("block_size", block_size)
         if num_gpu_blocks is not None:
             _check_positive("num_gpu_blocks", num_gpu_blocks)
@@ -62,7 +68,9 @@ class LLM:
         _check_positive("max_num_seqs", max_num_seqs)
         if offline_step_rows is not None:
             _check_positive("offline_step_rows", offline_step_rows)
-        SchedulerConfig(policy=scheduling)  # ValueError naming scheduling, before the model loads
+        # ValueError naming the field, before the model loads
+        SchedulerConfig(policy=scheduling, speculative_tokens=speculative_tokens,
+                        speculative_step_tokens=1 if speculative_step_tokens is None else speculative_step_tokens)
         _check_tier_args(cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes)
         kv_eviction = resolve_eviction(kv_eviction, "kv_eviction")
         if kv_eviction is KEEP_ALL:
@@ -113,6 +121,9 @@ class LLM:
             max_model_len=max_model_len or limit,
             policy=scheduling,
             offline_step_rows=offline_step_rows or (12 if loaded.model.device.type == "cpu" else 128),
+            speculative_tokens=speculative_tokens,
+            speculative_step_tokens=(speculative_step_tokens if speculative_step_tokens is not None
+                                     else 16 if loaded.model.device.type == "cpu" else 256),
         )
         if cpu_kv_bytes is not None:
             tiers = _build_tiers(runner, block_bytes, cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes, layout_tag, admission)

@@ -106,8 +106,10 @@ class ModelRunner:
             return
         self.kv_format.move_slots(self.kv_cache, src.to(self.device), dst.to(self.device))
 
-    def execute(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
-        """Run one step; returns float32 logits [len(sample_rows), V] for the given batch rows."""
+    def execute(self, batch: ScheduledBatch, sample_rows: list[int], spans: list[int] | None = None) -> torch.Tensor:
+        """Run one step; returns float32 logits [len(sample_rows), V] for the given batch rows: each
+        row's last token. With spans, spans[j] tokens of row sample_rows[j], its last ones in order
+        (a speculative step's drafts), sum(spans) rows in all."""
         input_ids, positions, meta, last_token_rows = self._prepare(batch)
         if self.comm is None:
             self.copy_blocks(batch.block_copies)
@@ -124,6 +126,9 @@ class ModelRunner:
             except Exception as e:  # a collective failed: say which rank died, if one did
                 raise self.group.failure(e) from e
         rows = last_token_rows[torch.tensor(sample_rows, dtype=torch.long)] if sample_rows else last_token_rows[:0]
+        if spans is not None:
+            rows = torch.tensor([r - i for r, n in zip(rows.tolist(), spans) for i in range(n - 1, -1, -1)],
+                                dtype=torch.long)
         return self.model.compute_logits(hidden[rows.to(self.device)])
 
     def sync_tiers(self) -> None:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvstrata.worker.prefix_cache import KVBlock
+    from kvstrata.worker.speculative import NgramIndex
     from kvstrata.worker.token_eviction import EvictionState
     from kvstrata.worker.tokenizer import Detokenizer
 
@@ -79,6 +80,7 @@ class Request:
     eviction: EvictionState | None = None  # set when the request runs under a token eviction policy
     num_evicted_tokens: int = 0  # computed tokens whose KV the policy dropped
     teacher: Teacher | None = None  # set: the output is forced (perplexity), not sampled
+    ngram: NgramIndex | None = None  # speculative decoding's lookup of its own tokens (worker/speculative.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -42,6 +42,10 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk per step; 0 = budget
     policy: str = "fcfs"  # or "offline" (see the module's docstring)
     offline_step_rows: int = 12  # the "offline" policy's rows in a step with decodes
+    # speculative decoding (worker/speculative.py): drafts of up to speculative_tokens a greedy
+    # request, added while the step holds at most speculative_step_tokens tokens; 0: off
+    speculative_tokens: int = 0
+    speculative_step_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -49,6 +53,10 @@ class SchedulerConfig:
         if isinstance(self.offline_step_rows, bool) or not isinstance(self.offline_step_rows, int) \
                 or self.offline_step_rows < 1:
             raise ValueError(f"offline_step_rows must be a positive integer; got {self.offline_step_rows!r}")
+        for name, least in (("speculative_tokens", 0), ("speculative_step_tokens", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}; got {value!r}")
 
 
 @dataclass

@@ -7,7 +7,7 @@ import gc
 import json
 from pathlib import Path
 
-from kvstrata.cluster.argtypes import positive_int
+from kvstrata.cluster.argtypes import non_negative_int, positive_int
 from kvstrata.worker.kv_dtypes import KV_DTYPE_NAMES
 from kvstrata.worker.model_source import DEFAULT_MODEL
 
@@ -118,6 +118,9 @@ def _add_throughput(bench_sub) -> None:
     p.add_argument("--scheduling", choices=["fcfs", "offline"], default="offline",
                    help="kvstrata's scheduling policy (default offline: every request arrives at once and only "
                         "the total time counts; fcfs: first come, first served, as an online server runs)")
+    p.add_argument("--speculative-tokens", type=non_negative_int, default=0,
+                   help="kvstrata drafts up to this many tokens a step by n-gram lookup in each request's own "
+                        "tokens, checked by the model (greedy outputs unchanged); default 0: off")
     p.add_argument("--json", type=Path, default=None, help="write the report as one JSON object")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart (needs matplotlib)")
     p.add_argument("--no-bound", action="store_true", help="skip measuring the machine's peaks and the roofline bound")
@@ -152,7 +155,8 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     if args.ablate_prefix_caching:
         return _run_ablation(args)
     workload = WORKLOADS[args.workload](num_requests=args.num_requests, seed=args.seed)
-    llm = LLM(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, scheduling=args.scheduling)
+    llm = LLM(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, scheduling=args.scheduling,
+              speculative_tokens=args.speculative_tokens)
     hf = None
     reports = []
     for _ in range(args.rounds):

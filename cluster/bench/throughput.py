@@ -59,6 +59,9 @@ class RunResult:
     latencies_s: list[float] = field(repr=False)
     prefix_hit_rate: float | None = None
     step_profile: StepProfile | None = None  # kvstrata's own steps
+    # kvstrata's speculative decoding: draft tokens computed, and those the model agreed with
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -85,6 +88,8 @@ class RunResult:
             "latency_p99_s": round(self.latency_percentile(99), 3),
             "prefix_hit_rate": None if self.prefix_hit_rate is None else round(self.prefix_hit_rate, 4),
             **({} if self.step_profile is None else {"step_profile": self.step_profile.summary()}),
+            **({"draft_tokens": self.draft_tokens, "accepted_draft_tokens": self.accepted_draft_tokens}
+               if self.draft_tokens else {}),
         }
 
 
@@ -127,6 +132,7 @@ def run_kvstrata(llm: Any, workload: Workload, clock: Callable[[], float] = time
     engine = llm.engine
     _warm_up_kvstrata(llm)
     queried0, hit0 = engine.kv.num_prompt_tokens_queried, engine.kv.num_prompt_tokens_hit
+    drafted0, accepted0 = engine.stats.num_draft_tokens, engine.stats.num_accepted_draft_tokens
     progress = Progress(f"kvstrata {workload.name}", len(workload.requests))
     start = clock()
     submit_greedy(engine, workload, "bench")
@@ -147,7 +153,8 @@ def run_kvstrata(llm: Any, workload: Workload, clock: Callable[[], float] = time
     queried = engine.kv.num_prompt_tokens_queried - queried0
     hit = engine.kv.num_prompt_tokens_hit - hit0
     return RunResult("kvstrata", wall, len(workload.requests), workload.num_prompt_tokens, output_tokens,
-                     latencies, hit / queried if queried else 0.0, StepProfile(steps))
+                     latencies, hit / queried if queried else 0.0, StepProfile(steps),
+                     stats.num_draft_tokens - drafted0, stats.num_accepted_draft_tokens - accepted0)
 
 
 # Every engine gets one small untimed request first, so one-time costs (kernel builds and caches,
@@ -301,6 +308,10 @@ def format_report(report: ThroughputReport) -> str:
                      f"kvstrata wall {report.kvstrata.wall_s:.2f} s = {report.bound_ratio:.2f}x the bound")
     if report.kvstrata.step_profile is not None:
         lines += format_step_profile(report.kvstrata.step_profile.summary())
+    k = report.kvstrata
+    if k.draft_tokens:
+        lines.append(f"speculative decoding: {k.draft_tokens} draft tokens, {k.accepted_draft_tokens} accepted "
+                     f"({k.accepted_draft_tokens / k.draft_tokens:.1%})")
     return "\n".join(lines)
 
 

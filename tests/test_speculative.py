@@ -1,0 +1,218 @@
+"""Speculative decoding by n-gram lookup (worker/speculative.py): the lookup itself, and on the real
+model, the same greedy tokens as plain decoding in fewer steps, stops inside a draft, sampled and
+logprob requests beside speculative ones, and nothing of a rejected draft in the prefix cache."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+
+import pytest
+
+from kvstrata.worker.scheduler import SchedulerConfig
+from kvstrata.worker.speculative import NgramIndex
+
+
+# -- the lookup --------------------------------------------------------------------------------
+def test_draft_continues_the_latest_earlier_occurrence_of_the_suffix():
+    idx = NgramIndex()
+    #        0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 7]
+    # "5 6 7" occurred at 0 (followed by 1) and at 4 (followed by 2): the later one wins
+    assert idx.draft(tokens, 3) == [2, 5, 6]
+    assert idx.draft(tokens, 1) == [2]
+    assert idx.draft(tokens, 0) == []
+
+
+def test_draft_prefers_the_longest_matching_suffix():
+    idx = NgramIndex()
+    # "9" alone last occurred at 5 (followed by 4); "3 9" at 1 (followed by 8)
+    tokens = [3, 9, 8, 8, 0, 9, 4, 3, 9]
+    assert idx.draft(tokens, 2) == [8, 8]
+    assert NgramIndex().draft([1, 2, 3, 4], 3) == []  # nothing repeats
+
+
+def test_draft_stops_at_the_end_of_the_known_tokens():
+    # the match is the token just before the suffix: only what follows it is known
+    assert NgramIndex().draft([4, 4, 4], 5) == [4]
+    assert NgramIndex().draft([1, 2, 1, 2], 8) == [1, 2]
+
+
+def test_incremental_index_matches_a_fresh_one():
+    tokens = [7, 1, 2, 7, 1, 3, 7, 1]
+    grown = NgramIndex()
+    for n in range(1, len(tokens) + 1):
+        assert grown.draft(tokens[:n], 4) == NgramIndex().draft(tokens[:n], 4)
+    assert grown.upto == len(tokens)
+
+
+@pytest.mark.parametrize("field, value", [("speculative_tokens", -1), ("speculative_tokens", 2.5),
+                                          ("speculative_step_tokens", 0), ("speculative_tokens", True)])
+def test_bad_settings_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**{field: value})
+
+
+def test_llm_rejects_bad_settings_before_loading():
+    from kvstrata import LLM
+
+    with pytest.raises(ValueError, match="speculative_tokens"):
+        LLM("no-such-model", speculative_tokens=-2)
+    with pytest.raises(ValueError, match="speculative_step_tokens"):
+        LLM("no-such-model", speculative_tokens=4, speculative_step_tokens=0)
+
+
+# -- on the real model -------------------------------------------------------------------------
+@contextlib.contextmanager
+def speculating(llm, tokens: int = 4, step_tokens: int = 16):
+    """The shared engine with speculative decoding on, and its counters from zero."""
+    engine = llm.engine
+    config = engine.scheduler.config
+    engine.scheduler.config = dataclasses.replace(config, speculative_tokens=tokens, speculative_step_tokens=step_tokens)
+    before = (engine.stats.num_draft_tokens, engine.stats.num_accepted_draft_tokens, engine.stats.num_steps)
+    counts = {}
+    try:
+        yield counts
+    finally:
+        engine.scheduler.config = config
+        counts.update(drafted=engine.stats.num_draft_tokens - before[0],
+                      accepted=engine.stats.num_accepted_draft_tokens - before[1], steps=engine.stats.num_steps - before[2])
+
+
+# token lists the model continues with repetitions: a counting list, a repeated phrase
+def _repetitive_prompts(llm) -> list[list[int]]:
+    tok = llm.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": text}])) for text in (
+        "Count from 1 to 40, separated by commas.",
+        "Write the word 'hello' twenty times, one per line.",
+        "List the days of the week, then list them again in the same order.",
+    )]
+
+
+def _greedy(max_tokens: int, **kw):
+    from kvstrata.worker.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def test_greedy_tokens_match_plain_decoding_in_fewer_steps(llm):
+    prompts = _repetitive_prompts(llm)
+    engine = llm.engine
+    llm.reset_prefix_cache()
+    s0 = engine.stats.num_steps
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(48, ignore_eos=True))]
+    plain_steps = engine.stats.num_steps - s0
+    llm.reset_prefix_cache()
+    with speculating(llm) as counts:
+        spec = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(48, ignore_eos=True))]
+        assert llm.cache_stats()["speculative"]["draft_tokens"] >= counts.get("drafted", 0)
+    assert spec == plain
+    assert counts["drafted"] > 0 and 0 < counts["accepted"] <= counts["drafted"]
+    assert counts["steps"] < plain_steps
+    engine.check_integrity()
+    llm.reset_prefix_cache()
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks  # no block kept by a draft
+    assert "speculative" not in llm.cache_stats()  # off again
+
+
+def test_one_request_saves_a_step_per_accepted_token_and_keeps_its_stops(llm):
+    count, _, days = _repetitive_prompts(llm)
+    engine = llm.engine
+    llm.reset_prefix_cache()
+    tokens = llm.generate([days], _greedy(64, ignore_eos=True))[0].outputs[0].token_ids
+    first = {}
+    for i, t in enumerate(tokens):
+        first.setdefault(t, i)
+    stop = max(first, key=first.get)  # the token that appears first the latest
+    assert first[stop] >= 20
+    accepted = 0
+    for prompt, params, reason in ((days, _greedy(64, ignore_eos=True, stop_token_ids=[stop]), "stop"),
+                                   (count, _greedy(23, ignore_eos=True), "length")):
+        llm.reset_prefix_cache()
+        s0 = engine.stats.num_steps
+        plain = llm.generate([prompt], params)[0].outputs[0]
+        plain_steps = engine.stats.num_steps - s0
+        assert plain.finish_reason == reason
+        llm.reset_prefix_cache()
+        with speculating(llm) as counts:
+            out = llm.generate([prompt], params)[0].outputs[0]
+        assert out.token_ids == plain.token_ids and out.finish_reason == reason
+        # one prompt step, then a step per token less the accepted drafts
+        assert counts["steps"] == plain_steps - counts["accepted"]
+        accepted += counts["accepted"]
+    assert accepted > 0
+    engine.check_integrity()
+
+
+def test_sampled_and_logprob_requests_beside_speculative_ones_are_unchanged(llm):
+    from kvstrata.worker.sampling_params import SamplingParams
+
+    prompts = _repetitive_prompts(llm)
+    params = [_greedy(40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True),
+              _greedy(40, ignore_eos=True, logprobs=2)]
+    llm.reset_prefix_cache()
+    plain = llm.generate(prompts, params)
+    llm.reset_prefix_cache()
+    with speculating(llm) as counts:
+        spec = llm.generate(prompts, params)
+    for a, b in zip(plain, spec):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert spec[2].outputs[0].logprobs == plain[2].outputs[0].logprobs
+    # only the first request may draft: at most 40 - 1 tokens of it can be accepted
+    assert 0 < counts["accepted"] < 40
+
+
+def test_rejected_drafts_never_reach_the_prefix_cache(llm):
+    """A finished speculative sequence, sent again as a prompt, hits every full block it computed,
+    and its continuation is the one computed from scratch: the cached K/V are the real tokens'."""
+    prompt = _repetitive_prompts(llm)[1]
+    llm.reset_prefix_cache()
+    with speculating(llm) as counts:
+        first = llm.generate([prompt], _greedy(64, ignore_eos=True))[0].outputs[0].token_ids
+    assert counts["drafted"] > counts["accepted"] > 0  # some drafts were rejected
+    sequence = prompt + first
+    again = llm.generate([sequence], _greedy(16, ignore_eos=True))[0]
+    bs = llm.engine.kv.block_size
+    assert again.num_cached_tokens == (len(sequence) - 1) // bs * bs
+    llm.reset_prefix_cache()
+    fresh = llm.generate([sequence], _greedy(16, ignore_eos=True))[0]
+    assert fresh.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == fresh.outputs[0].token_ids
+    llm.engine.check_integrity()
+
+
+def test_speculation_stays_within_the_step_budget(llm):
+    prompts = _repetitive_prompts(llm)
+    engine = llm.engine
+    sizes = []
+    original = engine.runner.execute
+
+    def recording(batch, rows, spans=None):
+        sizes.append(batch.num_tokens)
+        return original(batch, rows, spans)
+
+    llm.reset_prefix_cache()
+    engine.runner.execute = recording
+    try:
+        with speculating(llm, tokens=8, step_tokens=6) as counts:
+            llm.generate(prompts, _greedy(32, ignore_eos=True))
+    finally:
+        del engine.runner.execute
+    assert counts["drafted"] > 0
+    # steps of three decodes took at most 3 draft tokens in all; prompt steps are not speculative
+    decode_steps = [n for n in sizes if n <= 8]
+    assert decode_steps and max(decode_steps) <= 6
+
+
+@pytest.mark.slow
+def test_bench_throughput_reports_draft_tokens(llm, tmp_path, capsys):
+    from kvstrata.cluster.cli import main
+
+    out = tmp_path / "spec.json"
+    assert main(["bench", "throughput", "--workload", "random", "--num-requests", "2", "--no-bound",
+                 "--speculative-tokens", "4", "--json", str(out)]) == 0
+    k = json.loads(out.read_text())["kvstrata"]
+    assert k["accepted_draft_tokens"] <= k["draft_tokens"]
+    assert k["draft_tokens"] > 0 and "speculative decoding:" in capsys.readouterr().out

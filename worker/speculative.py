@@ -1,0 +1,61 @@
+"""Speculative decoding by n-gram lookup: drafts from the request's own tokens, checked by the model.
+
+A decode step reads every weight to produce one token per sequence; while a step is memory-bound,
+more rows cost little. So for a greedy request, the engine guesses the next few tokens and the
+step computes them with the real one, as a short chunk:
+
+    tokens:  ... a b c | d        (d: sampled last step, not yet computed)
+    lookup:  the latest earlier "b c d" in the request's tokens was followed by "e f"
+    step:    computes d e f (3 rows); the model's greedy choices after d, e and f are x, y, z
+    verify:  x == e? then y == f? ... the accepted drafts, then one token of the model's own
+
+If x == e and y == f, the step yields e, f and z: three tokens for one pass over the weights. If
+x != e, it yields x, as a plain decode would. Every token is the model's own greedy choice given
+the tokens before it, so the output is what greedy decoding gives, up to the last bits of the
+logits (a chunk runs through the prefill attention kernel, a single token through the decode
+one). Rejected drafts leave K/V in slots past the request's computed tokens, which the next tokens
+overwrite; blocks only count once computed, so nothing of a draft reaches the prefix cache.
+
+The lookup keeps, per request, a dict from each n-gram (n = 1 .. MAX_NGRAM) to the position of the
+token that last followed it, updated as tokens arrive: one lookup per n per step, not a scan.
+Outputs that repeat themselves (lists, code, the loops of a small model) draft well; fresh prose
+drafts little, and a step without drafts is a plain decode step.
+"""
+
+from __future__ import annotations
+
+MAX_NGRAM = 3  # longest suffix matched; shorter ones are tried when it has no earlier occurrence
+MIN_NGRAM = 1
+
+
+class NgramIndex:
+    """The position of the token that last followed each n-gram of a token list, kept up to date."""
+
+    __slots__ = ("follows", "upto")
+
+    def __init__(self) -> None:
+        self.follows: dict[tuple[int, ...], int] = {}
+        self.upto = 0  # tokens [0, upto) are indexed
+
+    def update(self, tokens: list[int]) -> None:
+        """Index tokens[upto:]: each new position t is recorded as what follows the n-grams ending
+        at t - 1 (a later occurrence replaces an earlier one)."""
+        follows = self.follows
+        for t in range(max(self.upto, 1), len(tokens)):
+            for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+                if t - n < 0:
+                    break
+                follows[tuple(tokens[t - n:t])] = t
+        self.upto = len(tokens)
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the longest earlier occurrence of the list's suffix."""
+        if k <= 0:
+            return []
+        self.update(tokens)
+        end = len(tokens)
+        for n in range(min(MAX_NGRAM, end - 1), MIN_NGRAM - 1, -1):
+            pos = self.follows.get(tuple(tokens[end - n:]))
+            if pos is not None:
+                return tokens[pos:min(pos + k, end)]
+        return []
