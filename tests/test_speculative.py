@@ -216,3 +216,18 @@ def test_bench_throughput_reports_draft_tokens(llm, tmp_path, capsys):
     k = json.loads(out.read_text())["kvstrata"]
     assert k["accepted_draft_tokens"] <= k["draft_tokens"]
     assert k["draft_tokens"] > 0 and "speculative decoding:" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_speculative_cli_tiny(llm, tmp_path, capsys):
+    from kvstrata.cluster.cli import main
+
+    out = tmp_path / "spec.json"
+    # the last built-in prompt counts: it drafts well
+    assert main(["bench", "speculative", "--num-prompts", "8", "--max-tokens", "24", "--rounds", "1",
+                 "--json", str(out)]) == 0
+    j = json.loads(out.read_text())
+    assert len(j["alone"]) == 8 and all(r["identical"] for r in j["alone"]) and j["batch"]["identical"]
+    counting = j["alone"][-1]
+    assert counting["output_tokens"] == 24 and counting["accepted_draft_tokens"] > 0
+    assert j["median_speedup_alone"] > 0 and "median speedup" in capsys.readouterr().out

@@ -426,3 +426,22 @@ def test_quantized_kv_at_tp2_matches_tp1_with_half_the_bytes(ray_local, gqa4, kv
         two.check_integrity()
     finally:
         two.close()
+
+
+
+def test_speculative_decoding_at_tp3_gives_tp1s_plain_tokens(ray_local, llm):
+    """Drafts are rows of the step like any others: the other rank computes them with rank 0."""
+    from kvstrata import LLM
+
+    tok = llm.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Count from 1 to 40."}]))
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    reference = llm.generate([prompt], sp)[0].outputs[0].token_ids
+    three = LLM("smollm2-135m", num_gpu_blocks=32, tensor_parallel_size=3, speculative_tokens=4)
+    try:
+        assert three.generate([prompt], sp)[0].outputs[0].token_ids == reference
+        spec = three.cache_stats()["speculative"]
+        assert spec["accepted_draft_tokens"] > 0
+        three.check_integrity()
+    finally:
+        three.close()

@@ -268,26 +268,32 @@ class LLMEngine:
     def _speculate(self, batch: ScheduledBatch) -> dict[Request, list[int]]:
         """Give greedy decodes of this batch drafts from their own tokens, while the step holds at
         most speculative_step_tokens tokens; each draft joins its request's tokens for this step
-        (taken out again in _accept) and the batch is reordered, one-token rows first."""
+        (taken out again in _accept) and the batch is reordered, one-token rows first. Requests
+        with the most output to go draft first: a batch lasts as long as its longest request, and
+        a token saved there saves a step."""
         cfg = self.scheduler.config
         room = cfg.speculative_step_tokens - batch.num_tokens
-        drafts: dict[Request, list[int]] = {}
+        if room <= 0:
+            return {}
+        candidates = []
         for i in range(batch.num_decodes):
+            req = batch.requests[i]
+            p = req.params
+            if (p.greedy and p.logprobs is None and req.teacher is None and req.eviction is None and not req.forks
+                    and req.num_computed_tokens + 1 == req.num_tokens):
+                candidates.append((p.max_tokens - req.num_output_tokens, i))
+        candidates.sort(key=lambda c: -c[0])
+        drafts: dict[Request, list[int]] = {}
+        for _, i in candidates:
             if room <= 0:
                 break
             req = batch.requests[i]
-            p = req.params
-            if (not p.greedy or p.logprobs is not None or req.teacher is not None or req.eviction is not None
-                    or req.forks or req.num_computed_tokens + 1 != req.num_tokens):
-                continue
-            # room for the accepted drafts and the model's own next token within both limits
-            k = min(cfg.speculative_tokens, room, p.max_tokens - req.num_output_tokens - 1,
-                    cfg.max_model_len - req.num_tokens - 1)
-            if k <= 0:
-                continue
             if req.ngram is None:
                 req.ngram = NgramIndex()
-            draft = req.ngram.draft(req.token_ids, k)
+            # room for the accepted drafts and the model's own next token within both limits
+            k = min(req.ngram.draft_length(cfg.speculative_tokens, len(batch.requests) == 1), room,
+                    req.params.max_tokens - req.num_output_tokens - 1, cfg.max_model_len - req.num_tokens - 1)
+            draft = req.ngram.draft(req.token_ids, k) if k > 0 else []
             if not draft or not self.kv.allocate_slots(req, 1 + len(draft), watermark=True):
                 continue
             req.token_ids.extend(draft)
@@ -330,6 +336,7 @@ class LLMEngine:
         req.num_computed_tokens -= len(draft) - accepted
         self.stats.num_draft_tokens += len(draft)
         self.stats.num_accepted_draft_tokens += accepted
+        req.ngram.record(len(draft), accepted)
         for token in tokens[:accepted + 1]:
             self._append_token(req, token, None)
             if req.is_finished:

@@ -56,7 +56,8 @@ class LLM:
         speculative_tokens > 0 turns on speculative decoding by n-gram lookup for greedy requests: up
         to that many tokens a step are drafted from the request's own prompt and output and checked
         by the model in the same step, while a step holds at most speculative_step_tokens tokens
-        (default 16 on CPU, where such a step is still bound by its weight reads, and 256 on GPU);
+        (default 8 on CPU, where such a step costs little more than one of a single row, and 256
+        on GPU);
         see worker/speculative.py."""
         _check_positive("block_size", block_size)
         if num_gpu_blocks is not None:
@@ -123,7 +124,7 @@ class LLM:
             offline_step_rows=offline_step_rows or (12 if loaded.model.device.type == "cpu" else 128),
             speculative_tokens=speculative_tokens,
             speculative_step_tokens=(speculative_step_tokens if speculative_step_tokens is not None
-                                     else 16 if loaded.model.device.type == "cpu" else 256),
+                                     else 8 if loaded.model.device.type == "cpu" else 256),
         )
         if cpu_kv_bytes is not None:
             tiers = _build_tiers(runner, block_bytes, cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes, layout_tag, admission)

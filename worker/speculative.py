@@ -26,16 +26,31 @@ from __future__ import annotations
 
 MAX_NGRAM = 3  # longest suffix matched; shorter ones are tried when it has no earlier occurrence
 MIN_NGRAM = 1
+# Below this share of its draft tokens accepted lately, a request that shares its step with others
+# drafts one token a step, enough to notice when its output starts repeating, instead of spending
+# the step's rows on guesses that fail. Alone in a step it drafts in full: on a 2-core Xeon a step
+# of 5 rows took 24.9 ms against 24.1 for one row, so a guess pays if 1 in 30 comes true.
+LOW_ACCEPTANCE = 0.1
+RATE_WEIGHT = 0.3  # weight of the latest step in the running share
 
 
 class NgramIndex:
     """The position of the token that last followed each n-gram of a token list, kept up to date."""
 
-    __slots__ = ("follows", "upto")
+    __slots__ = ("follows", "upto", "rate")
 
     def __init__(self) -> None:
         self.follows: dict[tuple[int, ...], int] = {}
         self.upto = 0  # tokens [0, upto) are indexed
+        self.rate = 0.5  # running share of this request's draft tokens that the model accepted
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.rate += RATE_WEIGHT * (accepted / drafted - self.rate)
+
+    def draft_length(self, k: int, alone: bool) -> int:
+        """Tokens to draft now, k at most: all of them, or one while drafts keep failing in a
+        step shared with other requests."""
+        return k if alone or self.rate >= LOW_ACCEPTANCE else min(k, 1)
 
     def update(self, tokens: list[int]) -> None:
         """Index tokens[upto:]: each new position t is recorded as what follows the n-grams ending

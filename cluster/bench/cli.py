@@ -31,6 +31,9 @@ def add_bench_parser(sub) -> None:
     from kvstrata.cluster.bench.kv_decode import add_bench_kv_decode_parser
 
     add_bench_kv_decode_parser(bench_sub)
+    from kvstrata.cluster.bench.speculative import add_bench_speculative_parser
+
+    add_bench_speculative_parser(bench_sub)
     _add_roofline(bench_sub)
 
 

@@ -1,0 +1,165 @@
+"""`kvstrata bench speculative`: speculative decoding by n-gram lookup against plain decoding.
+
+Real chat prompts in English (an explanation, code, a summary, lists and tables to rewrite), each
+greedy, run by one engine with speculation off and on in turn, the order swapped every round so
+that drift hits both alike: first every prompt alone (a single user, the memory-bound case), then
+all at once as one batch. Each figure is the median over the rounds; the report also checks that
+both ways gave the same tokens, and counts the draft tokens the model accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstrata.cluster.argtypes import positive_int
+from kvstrata.worker.model_source import DEFAULT_MODEL
+
+_PARAGRAPH = (
+    "A serving engine keeps the keys and values of every token it has seen, so that each new token "
+    "attends to them instead of recomputing them. Those keys and values live in fixed-size blocks; "
+    "blocks that hold the same prompt prefix are shared between requests, and blocks that fall out "
+    "of device memory move to host memory and then to disk, from where a later request can load "
+    "them back instead of computing its prompt again."
+)
+
+PROMPTS = (
+    "Explain in two sentences why a KV cache speeds up text generation.",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring and three doctests.",
+    "Summarize this paragraph in two sentences:\n\n" + _PARAGRAPH,
+    "Rewrite this paragraph for a ten-year-old, keeping every idea in it:\n\n" + _PARAGRAPH,
+    "Repeat this list in reverse order: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon.",
+    "Turn these names into a JSON array of objects with \"first\" and \"last\" fields: Ada Lovelace, Alan Turing, "
+    "Grace Hopper, Edsger Dijkstra, Barbara Liskov, Donald Knuth.",
+    "Write an HTML table with the columns name, age and city, and five rows of example data.",
+    "Count from 1 to 30, one number per line.",
+)
+
+
+@dataclass
+class PromptResult:
+    prompt: str
+    output_tokens: int
+    plain_s: list[float] = field(default_factory=list)
+    speculative_s: list[float] = field(default_factory=list)
+    draft_tokens: int = 0  # over all rounds
+    accepted_draft_tokens: int = 0
+    identical: bool = True
+
+    @property
+    def speedup(self) -> float:
+        return statistics.median(self.plain_s) / statistics.median(self.speculative_s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "speedup": round(self.speedup, 3)}
+
+
+@dataclass
+class SpeculativeReport:
+    speculative_tokens: int
+    step_tokens: int
+    alone: list[PromptResult]
+    batch: PromptResult
+
+    @property
+    def median_speedup_alone(self) -> float:
+        return statistics.median(r.speedup for r in self.alone)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"speculative_tokens": self.speculative_tokens, "speculative_step_tokens": self.step_tokens,
+                "median_speedup_alone": round(self.median_speedup_alone, 3),
+                "alone": [r.to_json() for r in self.alone], "batch": self.batch.to_json()}
+
+
+def add_bench_speculative_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("speculative", help="speculative decoding against plain decoding on real prompts",
+                             description="Greedy generation of real chat prompts with speculative decoding off "
+                                         "and on, side by side in one run: each prompt alone, then all at once.")
+    p.add_argument("--speculative-tokens", type=positive_int, default=4, help="draft tokens a step (default 4)")
+    p.add_argument("--speculative-step-tokens", type=positive_int, default=None,
+                   help="drafts only while a step holds at most this many tokens (default: the engine's, 8 on CPU)")
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="output tokens per prompt at most (default 128)")
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--num-prompts", type=positive_int, default=len(PROMPTS),
+                   help=f"the first N of the built-in prompts (default all {len(PROMPTS)})")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--json", type=Path, default=None)
+    p.set_defaults(func=run_speculative_cmd)
+
+
+def bench_speculative(llm: Any, prompts: list[str], speculative_tokens: int, max_tokens: int,
+                      rounds: int, step_tokens: int | None = None) -> SpeculativeReport:
+    import dataclasses
+
+    from kvstrata.worker.sampling_params import SamplingParams
+
+    engine = llm.engine
+    plain_config = engine.scheduler.config
+    spec_config = dataclasses.replace(plain_config, speculative_tokens=speculative_tokens,
+                                      speculative_step_tokens=step_tokens or plain_config.speculative_step_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    ids = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
+           for p in prompts]
+    llm.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=4))  # one-time costs out of the figures
+
+    def run(batch: list[list[int]], speculate: bool, result: PromptResult) -> list[list[int]]:
+        engine.scheduler.config = spec_config if speculate else plain_config
+        llm.reset_prefix_cache()  # both ways compute every prompt
+        drafted, accepted = engine.stats.num_draft_tokens, engine.stats.num_accepted_draft_tokens
+        try:
+            t0 = time.perf_counter()
+            outs = llm.generate(batch, params)
+            (result.speculative_s if speculate else result.plain_s).append(time.perf_counter() - t0)
+        finally:
+            engine.scheduler.config = plain_config
+        result.draft_tokens += engine.stats.num_draft_tokens - drafted
+        result.accepted_draft_tokens += engine.stats.num_accepted_draft_tokens - accepted
+        return [o.outputs[0].token_ids for o in outs]
+
+    alone = [PromptResult(p, 0) for p in prompts]
+    together = PromptResult(f"all {len(prompts)} prompts at once", 0)
+    for r in range(rounds):
+        order = (False, True) if r % 2 == 0 else (True, False)
+        for prompt_ids, result in [([i], res) for i, res in zip(ids, alone)] + [(ids, together)]:
+            tokens = {speculate: run(prompt_ids, speculate, result) for speculate in order}
+            result.identical &= tokens[False] == tokens[True]
+            result.output_tokens = sum(len(t) for t in tokens[False])
+    return SpeculativeReport(speculative_tokens, spec_config.speculative_step_tokens, alone, together)
+
+
+def format_report(report: SpeculativeReport) -> list[str]:
+    lines = [f"speculative decoding, up to {report.speculative_tokens} draft tokens a request and "
+             f"{report.step_tokens} tokens a step; median of "
+             f"{len(report.batch.plain_s)} rounds each way",
+             f"{'prompt':<42}{'tokens':>7}{'plain tok/s':>13}{'spec tok/s':>12}{'speedup':>9}{'accepted':>10}{'same':>6}"]
+    for r in report.alone + [report.batch]:
+        name = r.prompt.splitlines()[0]
+        name = name if len(name) <= 40 else name[:37] + "..."
+        acc = f"{r.accepted_draft_tokens / r.draft_tokens:.0%}" if r.draft_tokens else "-"
+        lines.append(f"{name:<42}{r.output_tokens:>7}{r.output_tokens / statistics.median(r.plain_s):>13.1f}"
+                     f"{r.output_tokens / statistics.median(r.speculative_s):>12.1f}{r.speedup:>8.2f}x{acc:>10}"
+                     f"{'yes' if r.identical else 'NO':>6}")
+    lines.append(f"median speedup, each prompt alone: {report.median_speedup_alone:.2f}x; "
+                 f"all at once: {report.batch.speedup:.2f}x")
+    return lines
+
+
+def run_speculative_cmd(args: argparse.Namespace) -> int:
+    from kvstrata.worker.llm import LLM
+
+    llm = LLM(args.model, dtype=args.dtype)
+    try:
+        report = bench_speculative(llm, list(PROMPTS[:args.num_prompts]), args.speculative_tokens, args.max_tokens,
+                                   args.rounds, args.speculative_step_tokens)
+    finally:
+        llm.close()
+    print("\n".join(format_report(report)))
+    if args.json:
+        args.json.write_text(json.dumps(report.to_json(), indent=1) + "\n")
+    return 0 if all(r.identical for r in report.alone + [report.batch]) else 1
