@@ -47,6 +47,17 @@ def test_incremental_index_matches_a_fresh_one():
     assert grown.upto == len(tokens)
 
 
+def test_a_request_whose_drafts_fail_drafts_one_token_unless_alone():
+    idx = NgramIndex()
+    assert idx.draft_length(4, alone=False) == 4
+    for _ in range(6):
+        idx.record(4, 0)
+    assert idx.draft_length(4, alone=False) == 1 and idx.draft_length(4, alone=True) == 4
+    for _ in range(6):
+        idx.record(1, 1)  # its one-token guesses start to come true
+    assert idx.draft_length(4, alone=False) == 4
+
+
 @pytest.mark.parametrize("field, value", [("speculative_tokens", -1), ("speculative_tokens", 2.5),
                                           ("speculative_step_tokens", 0), ("speculative_tokens", True)])
 def test_bad_settings_name_the_field(field, value):
@@ -231,3 +242,34 @@ def test_bench_speculative_cli_tiny(llm, tmp_path, capsys):
     counting = j["alone"][-1]
     assert counting["output_tokens"] == 24 and counting["accepted_draft_tokens"] > 0
     assert j["median_speedup_alone"] > 0 and "median speedup" in capsys.readouterr().out
+
+
+def test_the_request_with_most_output_to_go_drafts_first(llm):
+    from kvstrata.worker.sampling_params import SamplingParams
+
+    count = _repetitive_prompts(llm)[0]
+    engine = llm.engine
+    seen = []
+    original = engine.runner.execute
+
+    def recording(batch, rows, spans=None):
+        decoding = [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens >= len(count)]
+        drafting = [r for r, n in zip(batch.requests, batch.num_new_tokens) if n > 1 and r in decoding]
+        if len(decoding) == 2 and drafting:
+            (other,) = [r for r in decoding if r is not drafting[0]]
+            n = batch.num_new_tokens[batch.requests.index(drafting[0])]  # its tokens hold the draft now
+            left = [drafting[0].params.max_tokens - drafting[0].num_output_tokens + n - 1,
+                    other.params.max_tokens - other.num_output_tokens]
+            # the other one may have more to go only if it had nothing to draft
+            seen.append((len(drafting), left[0] >= left[1] or NgramIndex().draft(other.token_ids, 1) == []))
+        return original(batch, rows, spans) if spans is not None else original(batch, rows)
+
+    llm.reset_prefix_cache()
+    engine.runner.execute = recording
+    try:  # room for one request's draft in a step of two decodes
+        with speculating(llm, tokens=4, step_tokens=6):
+            llm.generate([count, count], [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                                          SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)])
+    finally:
+        del engine.runner.execute
+    assert seen and all(n == 1 and ok for n, ok in seen)

@@ -430,7 +430,7 @@ def test_quantized_kv_at_tp2_matches_tp1_with_half_the_bytes(ray_local, gqa4, kv
 
 
 def test_speculative_decoding_at_tp3_gives_tp1s_plain_tokens(ray_local, llm):
-    """Drafts are rows of the step like any others: the other rank computes them with rank 0."""
+    """Drafts are rows of the step like any others: the other ranks compute them with rank 0."""
     from kvstrata import LLM
 
     tok = llm.tokenizer
