@@ -80,7 +80,8 @@ def speculating(llm, tokens: int = 4, step_tokens: int = 16):
     """The shared engine with speculative decoding on, and its counters from zero."""
     engine = llm.engine
     config = engine.scheduler.config
-    engine.scheduler.config = dataclasses.replace(config, speculative_tokens=tokens, speculative_step_tokens=step_tokens)
+    engine.scheduler.config = dataclasses.replace(config, speculative_tokens=tokens,
+                                                  speculative_step_tokens=step_tokens)
     before = (engine.stats.num_draft_tokens, engine.stats.num_accepted_draft_tokens, engine.stats.num_steps)
     counts = {}
     try:
@@ -88,7 +89,8 @@ def speculating(llm, tokens: int = 4, step_tokens: int = 16):
     finally:
         engine.scheduler.config = config
         counts.update(drafted=engine.stats.num_draft_tokens - before[0],
-                      accepted=engine.stats.num_accepted_draft_tokens - before[1], steps=engine.stats.num_steps - before[2])
+                      accepted=engine.stats.num_accepted_draft_tokens - before[1],
+                      steps=engine.stats.num_steps - before[2])
 
 
 # token lists the model continues with repetitions: a counting list, a repeated phrase

@@ -83,7 +83,8 @@ def add_bench_speculative_parser(bench_sub) -> None:
     p.add_argument("--speculative-tokens", type=positive_int, default=4, help="draft tokens a step (default 4)")
     p.add_argument("--speculative-step-tokens", type=positive_int, default=None,
                    help="drafts only while a step holds at most this many tokens (default: the engine's, 8 on CPU)")
-    p.add_argument("--max-tokens", type=positive_int, default=128, help="output tokens per prompt at most (default 128)")
+    p.add_argument("--max-tokens", type=positive_int, default=128,
+                   help="output tokens per prompt at most (default 128)")
     p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--num-prompts", type=positive_int, default=len(PROMPTS),
                    help=f"the first N of the built-in prompts (default all {len(PROMPTS)})")
@@ -137,7 +138,8 @@ def format_report(report: SpeculativeReport) -> list[str]:
     lines = [f"speculative decoding, up to {report.speculative_tokens} draft tokens a request and "
              f"{report.step_tokens} tokens a step; median of "
              f"{len(report.batch.plain_s)} rounds each way",
-             f"{'prompt':<42}{'tokens':>7}{'plain tok/s':>13}{'spec tok/s':>12}{'speedup':>9}{'accepted':>10}{'same':>6}"]
+             f"{'prompt':<42}{'tokens':>7}{'plain tok/s':>13}{'spec tok/s':>12}{'speedup':>9}{'accepted':>10}"
+             f"{'same':>6}"]
     for r in report.alone + [report.batch]:
         name = r.prompt.splitlines()[0]
         name = name if len(name) <= 40 else name[:37] + "..."
