@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import statistics
 
 import pytest
 
@@ -275,3 +276,21 @@ def test_the_request_with_most_output_to_go_drafts_first(llm):
     finally:
         del engine.runner.execute
     assert seen and all(n == 1 and ok for n, ok in seen)
+
+
+@pytest.mark.slow
+def test_bench_speculative_against_hf_prompt_lookup(llm, hf_reference, tmp_path, monkeypatch):
+    from kvstrata.cluster.bench import speculative, throughput
+    from kvstrata.cluster.cli import main
+
+    monkeypatch.setattr(throughput, "load_hf_model", lambda model, dtype: hf_reference[1])
+    out = tmp_path / "spec.json"
+    assert main(["bench", "speculative", "--num-prompts", "3", "--max-tokens", "12", "--rounds", "1",
+                 "--baseline", "hf", "--json", str(out)]) == 0
+    j = json.loads(out.read_text())
+    assert [h["prompt"] for h in j["hf"]] == list(speculative.PROMPTS[:3])
+    assert all(h["output_tokens"] > 0 and h["plain_s"] and h["speculative_s"] for h in j["hf"])
+    # kvstrata's speculative tokens/s over HF's prompt lookup's, per prompt, then the median
+    ratios = [(k["output_tokens"] / statistics.median(k["speculative_s"]))
+              / (h["output_tokens"] / statistics.median(h["speculative_s"])) for k, h in zip(j["alone"], j["hf"])]
+    assert j["kvstrata_over_hf_prompt_lookup"] == pytest.approx(statistics.median(ratios), abs=1e-3)

@@ -4,7 +4,9 @@ Real chat prompts in English (an explanation, code, a summary, lists and tables 
 greedy, run by one engine with speculation off and on in turn, the order swapped every round so
 that drift hits both alike: first every prompt alone (a single user, the memory-bound case), then
 all at once as one batch. Each figure is the median over the rounds; the report also checks that
-both ways gave the same tokens, and counts the draft tokens the model accepted.
+both ways gave the same tokens, and counts the draft tokens the model accepted. With --baseline hf,
+HF transformers runs each prompt alone too, with `generate` and with its own n-gram speculation
+(`prompt_lookup_num_tokens`, for one sequence at a time), the same number of draft tokens.
 """
 
 from __future__ import annotations
@@ -65,6 +67,16 @@ class SpeculativeReport:
     step_tokens: int
     alone: list[PromptResult]
     batch: PromptResult
+    hf: list[PromptResult] | None = None  # HF transformers, each prompt alone: generate, prompt lookup
+
+    @property
+    def over_hf_lookup(self) -> float | None:
+        """Median over the prompts of kvstrata's speculative tokens/s over HF's prompt lookup's."""
+        if not self.hf:
+            return None
+        return statistics.median((k.output_tokens / statistics.median(k.speculative_s))
+                                 / (h.output_tokens / statistics.median(h.speculative_s))
+                                 for k, h in zip(self.alone, self.hf))
 
     @property
     def median_speedup_alone(self) -> float:
@@ -73,7 +85,9 @@ class SpeculativeReport:
     def to_json(self) -> dict[str, Any]:
         return {"speculative_tokens": self.speculative_tokens, "speculative_step_tokens": self.step_tokens,
                 "median_speedup_alone": round(self.median_speedup_alone, 3),
-                "alone": [r.to_json() for r in self.alone], "batch": self.batch.to_json()}
+                "alone": [r.to_json() for r in self.alone], "batch": self.batch.to_json(),
+                "hf": None if self.hf is None else [r.to_json() for r in self.hf],
+                "kvstrata_over_hf_prompt_lookup": None if self.hf is None else round(self.over_hf_lookup, 3)}
 
 
 def add_bench_speculative_parser(bench_sub) -> None:
@@ -88,10 +102,17 @@ def add_bench_speculative_parser(bench_sub) -> None:
     p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--num-prompts", type=positive_int, default=len(PROMPTS),
                    help=f"the first N of the built-in prompts (default all {len(PROMPTS)})")
+    p.add_argument("--baseline", choices=["hf"], default=None,
+                   help="also HF transformers, each prompt alone: generate, and generate with prompt lookup")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--json", type=Path, default=None)
     p.set_defaults(func=run_speculative_cmd)
+
+
+def chat_ids(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+    """Each prompt as one user message in the model's chat template, as token ids."""
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
 
 
 def bench_speculative(llm: Any, prompts: list[str], speculative_tokens: int, max_tokens: int,
@@ -105,8 +126,7 @@ def bench_speculative(llm: Any, prompts: list[str], speculative_tokens: int, max
     spec_config = dataclasses.replace(plain_config, speculative_tokens=speculative_tokens,
                                       speculative_step_tokens=step_tokens or plain_config.speculative_step_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    ids = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
-           for p in prompts]
+    ids = chat_ids(llm.tokenizer, prompts)
     llm.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=4))  # one-time costs out of the figures
 
     def run(batch: list[list[int]], speculate: bool, result: PromptResult) -> list[list[int]]:
@@ -134,6 +154,34 @@ def bench_speculative(llm: Any, prompts: list[str], speculative_tokens: int, max
     return SpeculativeReport(speculative_tokens, spec_config.speculative_step_tokens, alone, together)
 
 
+def bench_hf(model: Any, ids: list[list[int]], prompts: list[str], lookup_tokens: int, max_tokens: int,
+             rounds: int) -> list[PromptResult]:
+    """HF transformers on each prompt alone, greedy, with and without prompt lookup, alternating."""
+    import torch
+
+    def run(prompt_ids: list[int], lookup: bool, result: PromptResult) -> list[int]:
+        x = torch.tensor([prompt_ids])
+        extra = {"prompt_lookup_num_tokens": lookup_tokens} if lookup else {}
+        t0 = time.perf_counter()
+        with torch.no_grad():  # an explicit mask: this model's pad token is its EOS, which chat prompts hold
+            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=0, **extra)
+        (result.speculative_s if lookup else result.plain_s).append(time.perf_counter() - t0)
+        return out[0, len(prompt_ids):].tolist()
+
+    results = [PromptResult(p, 0) for p in prompts]
+    scratch = PromptResult("warm-up", 0)
+    for lookup in (False, True):  # one-time costs out of the figures
+        run(ids[0][:16], lookup, scratch)
+    for r in range(rounds):
+        order = (False, True) if r % 2 == 0 else (True, False)
+        for prompt_ids, result in zip(ids, results):
+            tokens = {lookup: run(prompt_ids, lookup, result) for lookup in order}
+            result.identical &= tokens[False] == tokens[True]
+            result.output_tokens = len(tokens[False])
+    return results
+
+
 def format_report(report: SpeculativeReport) -> list[str]:
     lines = [f"speculative decoding, up to {report.speculative_tokens} draft tokens a request and "
              f"{report.step_tokens} tokens a step; median of "
@@ -149,18 +197,37 @@ def format_report(report: SpeculativeReport) -> list[str]:
                      f"{'yes' if r.identical else 'NO':>6}")
     lines.append(f"median speedup, each prompt alone: {report.median_speedup_alone:.2f}x; "
                  f"all at once: {report.batch.speedup:.2f}x")
+    if report.hf:
+        lines += ["HF transformers, each prompt alone: generate, and generate with prompt_lookup_num_tokens="
+                  f"{report.speculative_tokens}",
+                  f"{'prompt':<42}{'tokens':>7}{'plain tok/s':>13}{'lookup tok/s':>14}{'speedup':>9}{'same':>6}"]
+        for r in report.hf:
+            name = r.prompt.splitlines()[0]
+            name = name if len(name) <= 40 else name[:37] + "..."
+            lines.append(f"{name:<42}{r.output_tokens:>7}{r.output_tokens / statistics.median(r.plain_s):>13.1f}"
+                         f"{r.output_tokens / statistics.median(r.speculative_s):>14.1f}{r.speedup:>8.2f}x"
+                         f"{'yes' if r.identical else 'NO':>6}")
+        lines.append(f"kvstrata speculative / HF prompt lookup, tokens/s, median over the prompts: "
+                     f"{report.over_hf_lookup:.2f}x")
     return lines
 
 
 def run_speculative_cmd(args: argparse.Namespace) -> int:
     from kvstrata.worker.llm import LLM
 
+    prompts = list(PROMPTS[:args.num_prompts])
     llm = LLM(args.model, dtype=args.dtype)
     try:
-        report = bench_speculative(llm, list(PROMPTS[:args.num_prompts]), args.speculative_tokens, args.max_tokens,
-                                   args.rounds, args.speculative_step_tokens)
+        report = bench_speculative(llm, prompts, args.speculative_tokens, args.max_tokens, args.rounds,
+                                   args.speculative_step_tokens)
+        ids = chat_ids(llm.tokenizer, prompts)
     finally:
         llm.close()
+    if args.baseline == "hf":
+        from kvstrata.cluster.bench import throughput
+
+        hf = throughput.load_hf_model(args.model, args.dtype)
+        report.hf = bench_hf(hf, ids, prompts, args.speculative_tokens, args.max_tokens, args.rounds)
     print("\n".join(format_report(report)))
     if args.json:
         args.json.write_text(json.dumps(report.to_json(), indent=1) + "\n")
