@@ -298,6 +298,7 @@ def test_gpu_resources_match_tp(renders: dict[str, Render], name: str) -> None:
     serve = r.serve_config()
     assert serve["tp"] == tp
     assert serve["workers"] == sum(p["replicas"] for p in r.values["pools"])
+    assert serve.get("speculative_tokens", 0) == r.values["model"]["speculativeTokens"]
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
@@ -489,6 +490,7 @@ WRONG_VALUES = [
     (["--set", "kvCache.nvme.enabled=true,kvCache.nvme.tierBytes=10GiB"], "kvCache.dramBytes"),
     (["--set", "kvCache.nvme.enabled=true,kvCache.dramBytes=8GiB"], "/kvCache/nvme/tierBytes"),
     (["--set", "kvCache.dramBytes=lots"], "/kvCache/dramBytes"),
+    (["--set", "model.speculativeTokens=-1"], "/model/speculativeTokens"),
     (["--set", "redis.mode=external"], "redis.external.url"),
     (["--set", "redis.mode=external,redis.external.url=redis://user:pw@redis:6379/0"], "/redis/external/url"),
     (["--set", "frontend.disableGrpc=true,frontend.disableHttp=true"], "frontend.disableGrpc"),
