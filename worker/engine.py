@@ -14,13 +14,13 @@ import torch
 
 from kvstrata.worker.block_hash import HashContext, hash_blocks
 from kvstrata.worker.kv_cache_manager import KVCacheManager
-from kvstrata.worker.model_runner import ModelRunner, ScheduledBatch
+from kvstrata.worker.model_runner import ModelRunner
 from kvstrata.worker.outputs import CompletionOutput, RequestOutput
 from kvstrata.worker.request import FinishReason, Request, RequestStatus, Teacher
-from kvstrata.worker.sampler import Sampler, argmax_rows
+from kvstrata.worker.sampler import Sampler
 from kvstrata.worker.sampling_params import SamplingParams
 from kvstrata.worker.scheduler import Scheduler, SchedulerConfig
-from kvstrata.worker.speculative import NgramIndex
+from kvstrata.worker.speculative import add_drafts, split_drafts
 from kvstrata.worker.token_eviction import KEEP_ALL, EvictionPolicy, EvictionState
 from kvstrata.worker.token_evictor import TokenEvictor
 from kvstrata.worker.tokenizer import Detokenizer, Tokenizer
@@ -209,7 +209,7 @@ class LLMEngine:
         if out.is_empty:
             return []
         batch = out.batch
-        drafts = self._speculate(batch) if self.scheduler.config.speculative_tokens else {}
+        drafts = add_drafts(batch, self.kv, self.scheduler.config) if self.scheduler.config.speculative_tokens else {}
         rows: list[int] = []
         to_sample: list[Request] = []
         spans: list[int] = []  # logits rows of each sampled row: 1, or a draft's length + 1
@@ -235,7 +235,7 @@ class LLMEngine:
         self.stats.last_step_prefill_tokens = sum(batch.num_new_tokens) - num_decodes - num_drafted
         checked: list[tuple[Request, list[int]]] = []  # speculative requests and the model's greedy tokens
         if drafts:
-            logits, to_sample, checked = self._split_drafts(logits, to_sample, spans, drafts)
+            logits, to_sample, checked = split_drafts(logits, to_sample, spans, drafts)
         result = self.sampler.sample(logits, to_sample) if to_sample else None
         if self._num_teachers and result is not None:
             self._force(logits, to_sample, result.token_ids)
@@ -265,66 +265,6 @@ class LLMEngine:
                 finished.append(self._finish_group(group))
 
     # -- speculative decoding (worker/speculative.py) --------------------------------------------
-    def _speculate(self, batch: ScheduledBatch) -> dict[Request, list[int]]:
-        """Give greedy decodes of this batch drafts from their own tokens, while the step holds at
-        most speculative_step_tokens tokens; each draft joins its request's tokens for this step
-        (taken out again in _accept) and the batch is reordered, one-token rows first. Requests
-        with the most output to go draft first: a batch lasts as long as its longest request, and
-        a token saved there saves a step."""
-        cfg = self.scheduler.config
-        room = cfg.speculative_step_tokens - batch.num_tokens
-        if room <= 0:
-            return {}
-        candidates = []
-        for i in range(batch.num_decodes):
-            req = batch.requests[i]
-            p = req.params
-            if (p.greedy and p.logprobs is None and req.teacher is None and req.eviction is None and not req.forks
-                    and req.num_computed_tokens + 1 == req.num_tokens):
-                candidates.append((p.max_tokens - req.num_output_tokens, i))
-        candidates.sort(key=lambda c: -c[0])
-        drafts: dict[Request, list[int]] = {}
-        for _, i in candidates:
-            if room <= 0:
-                break
-            req = batch.requests[i]
-            if req.ngram is None:
-                req.ngram = NgramIndex()
-            # room for the accepted drafts and the model's own next token within both limits
-            k = min(req.ngram.draft_length(cfg.speculative_tokens, len(batch.requests) == 1), room,
-                    req.params.max_tokens - req.num_output_tokens - 1, cfg.max_model_len - req.num_tokens - 1)
-            draft = req.ngram.draft(req.token_ids, k) if k > 0 else []
-            if not draft or not self.kv.allocate_slots(req, 1 + len(draft), watermark=True):
-                continue
-            req.token_ids.extend(draft)
-            batch.num_new_tokens[i] += len(draft)
-            drafts[req] = draft
-            room -= len(draft)
-        if drafts:  # one-token rows first: attention runs them as one batch
-            order = sorted(range(len(batch.requests)), key=lambda i: batch.num_new_tokens[i] != 1)
-            batch.requests = [batch.requests[i] for i in order]
-            batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
-            batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)
-        return drafts
-
-    @staticmethod
-    def _split_drafts(logits: torch.Tensor, to_sample: list[Request], spans: list[int],
-                      drafts: dict[Request, list[int]]):
-        """(logits of the rows sampled as usual, their requests, [(speculative request, the model's
-        greedy token at each of its rows)])."""
-        plain_rows: list[int] = []
-        plain: list[Request] = []
-        checked: list[tuple[Request, list[int]]] = []
-        row = 0
-        for req, span in zip(to_sample, spans):
-            if req in drafts:
-                checked.append((req, argmax_rows(logits[row:row + span]).tolist()))
-            else:
-                plain_rows.append(row)
-                plain.append(req)
-            row += span
-        return logits[plain_rows], plain, checked
-
     def _accept(self, req: Request, draft: list[int], tokens: list[int]) -> None:
         """The draft's leading tokens that match the model's greedy choices, then the model's next
         one, become the request's output; the rest of the draft is dropped. K/V computed for the

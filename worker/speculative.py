@@ -24,6 +24,16 @@ drafts little, and a step without drafts is a plain decode step.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstrata.worker.kv_cache_manager import KVCacheManager
+    from kvstrata.worker.model_runner import ScheduledBatch
+    from kvstrata.worker.request import Request
+    from kvstrata.worker.scheduler import SchedulerConfig
+
 MAX_NGRAM = 3  # longest suffix matched; shorter ones are tried when it has no earlier occurrence
 MIN_NGRAM = 1
 # Below this share of its draft tokens accepted lately, a request that shares its step with others
@@ -74,3 +84,68 @@ class NgramIndex:
             if pos is not None:
                 return tokens[pos:min(pos + k, end)]
         return []
+
+
+def add_drafts(batch: ScheduledBatch, kv: KVCacheManager, config: SchedulerConfig) -> dict[Request, list[int]]:
+    """Give greedy decodes of this batch drafts from their own tokens, while the step holds at most
+    config.speculative_step_tokens tokens; each draft joins its request's tokens for this step (the
+    engine takes it out again once the model has checked it) and the batch is reordered, one-token
+    rows first. Requests with the most output to go draft first: a batch lasts as long as its
+    longest request, and a token saved there saves a step."""
+    room = config.speculative_step_tokens - batch.num_tokens
+    if room <= 0:
+        return {}
+    candidates = []
+    for i in range(batch.num_decodes):
+        req = batch.requests[i]
+        p = req.params
+        if (p.greedy and p.logprobs is None and req.teacher is None and req.eviction is None and not req.forks
+                and req.num_computed_tokens + 1 == req.num_tokens):
+            candidates.append((p.max_tokens - req.num_output_tokens, i))
+    candidates.sort(key=lambda c: -c[0])
+    drafts: dict[Request, list[int]] = {}
+    for _, i in candidates:
+        if room <= 0:
+            break
+        req = batch.requests[i]
+        if req.ngram is None:
+            req.ngram = NgramIndex()
+        # room for the accepted drafts and the model's own next token within both limits
+        k = min(req.ngram.draft_length(config.speculative_tokens, len(batch.requests) == 1), room,
+                req.params.max_tokens - req.num_output_tokens - 1, config.max_model_len - req.num_tokens - 1)
+        draft = req.ngram.draft(req.token_ids, k) if k > 0 else []
+        if not draft or not kv.allocate_slots(req, 1 + len(draft), watermark=True):
+            continue
+        req.token_ids.extend(draft)
+        batch.num_new_tokens[i] += len(draft)
+        drafts[req] = draft
+        room -= len(draft)
+    if drafts:  # one-token rows first: attention runs them as one batch
+        order = sorted(range(len(batch.requests)), key=lambda i: batch.num_new_tokens[i] != 1)
+        batch.requests = [batch.requests[i] for i in order]
+        batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
+        batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)
+    return drafts
+
+
+Checked = list[tuple["Request", list[int]]]  # drafting requests and the model's greedy token at each of their rows
+
+
+def split_drafts(logits: torch.Tensor, to_sample: list[Request], spans: list[int],
+                 drafts: dict[Request, list[int]]) -> tuple[torch.Tensor, list[Request], Checked]:
+    """(logits of the rows sampled as usual, their requests, [(drafting request, the model's greedy
+    token at each of its rows)]), from a step's logits of spans[j] rows for to_sample[j]."""
+    from kvstrata.worker.sampler import argmax_rows
+
+    plain_rows: list[int] = []
+    plain: list[Request] = []
+    checked: Checked = []
+    row = 0
+    for req, span in zip(to_sample, spans):
+        if req in drafts:
+            checked.append((req, argmax_rows(logits[row:row + span]).tolist()))
+        else:
+            plain_rows.append(row)
+            plain.append(req)
+        row += span
+    return logits[plain_rows], plain, checked
