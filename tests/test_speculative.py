@@ -294,3 +294,28 @@ def test_bench_speculative_against_hf_prompt_lookup(llm, hf_reference, tmp_path,
     ratios = [(k["output_tokens"] / statistics.median(k["speculative_s"]))
               / (h["output_tokens"] / statistics.median(h["speculative_s"])) for k, h in zip(j["alone"], j["hf"])]
     assert j["kvstrata_over_hf_prompt_lookup"] == pytest.approx(statistics.median(ratios), abs=1e-3)
+
+
+@pytest.mark.parametrize("dtype, status", [("float32", 1), ("bfloat16", 0)])
+def test_bench_speculative_fails_on_changed_tokens_in_float32_only(monkeypatch, capsys, dtype, status):
+    from kvstrata.cluster.bench import speculative
+    from kvstrata.cluster.cli import main
+    from kvstrata.worker import llm as llm_module
+
+    class Stub:  # no model: the report is made up, only the verdict on it is under test
+        tokenizer = None
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def close(self):
+            pass
+
+    changed = speculative.PromptResult("p", 3, [1.0], [0.5], 4, 2, identical=False)
+    report = speculative.SpeculativeReport(4, 8, [changed], speculative.PromptResult("all", 3, [1.0], [1.0]))
+    monkeypatch.setattr(llm_module, "LLM", Stub)
+    monkeypatch.setattr(speculative, "bench_speculative", lambda *args: report)
+    monkeypatch.setattr(speculative, "chat_ids", lambda tokenizer, prompts: [[1]])
+    assert main(["bench", "speculative", "--dtype", dtype, "--rounds", "1"]) == status
+    out = capsys.readouterr().out
+    assert "NO" in out and ("depend on how a step is batched" in out) == (dtype == "bfloat16")
