@@ -57,8 +57,7 @@ class LLM:
         to that many tokens a step are drafted from the request's own prompt and output and checked
         by the model in the same step, while a step holds at most speculative_step_tokens tokens
         (default 8 on CPU, where such a step costs little more than one of a single row, and 256
-        on GPU);
-        see worker/speculative.py."""
+        on GPU); see worker/speculative.py."""
         _check_positive("block_size", block_size)
         if num_gpu_blocks is not None:
             _check_positive("num_gpu_blocks", num_gpu_blocks)

@@ -45,7 +45,7 @@ class SchedulerConfig:
     # speculative decoding (worker/speculative.py): drafts of up to speculative_tokens a greedy
     # request, added while the step holds at most speculative_step_tokens tokens; 0: off
     speculative_tokens: int = 0
-    speculative_step_tokens: int = 16
+    speculative_step_tokens: int = 8  # LLM's CPU default (256 on GPU)
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
