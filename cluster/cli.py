@@ -49,7 +49,7 @@ def add_generate_parser(sub) -> None:
                         "h2o(heavy=H, recent=R) or snapkv(window=O, budget=B)")
     p.add_argument("--speculative-tokens", type=non_negative_int, default=0,
                    help="draft up to this many tokens a step by n-gram lookup in the prompt and output, checked "
-                        "by the model (greedy only; the same output, faster on repetitive text); default 0: off")
+                        "by the model (the same output, faster on repetitive text); default 0: off")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt, one per line")
     p.set_defaults(func=run_generate)
 

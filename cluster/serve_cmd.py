@@ -133,7 +133,7 @@ OPTIONS = [
            "(lossy, see docs/engine.md); auto: the model's dtype", KV_DTYPE_NAMES),
     Option("kv_eviction", eviction_spec, None, "a token eviction policy for every request (lossy): sliding_window(W), "
            "streaming(sinks=S, window=W), h2o(heavy=H, recent=R) or snapkv(window=O, budget=B)"),
-    Option("speculative_tokens", non_negative_int, 0, "draft up to this many tokens a step for greedy requests by "
+    Option("speculative_tokens", non_negative_int, 0, "draft up to this many tokens a step of each request by "
            "n-gram lookup in their own tokens, checked by the model (faster decoding of repetitive text; 0: off)"),
     Option("nvme_admission", _text, "reuse", "what a full NVMe tier takes: reuse (reused, shallow or pinned "
            "blocks) or all", ("reuse", "all")),

@@ -20,7 +20,7 @@ from kvstrata.worker.request import FinishReason, Request, RequestStatus, Teache
 from kvstrata.worker.sampler import Sampler
 from kvstrata.worker.sampling_params import SamplingParams
 from kvstrata.worker.scheduler import Scheduler, SchedulerConfig
-from kvstrata.worker.speculative import add_drafts, split_drafts
+from kvstrata.worker.speculative import add_drafts, rewind, sample_rows
 from kvstrata.worker.token_eviction import KEEP_ALL, EvictionPolicy, EvictionState
 from kvstrata.worker.token_evictor import TokenEvictor
 from kvstrata.worker.tokenizer import Detokenizer, Tokenizer
@@ -233,12 +233,12 @@ class LLMEngine:
         self.stats.last_step_decodes = num_decodes
         num_drafted = sum(len(d) for d in drafts.values())
         self.stats.last_step_prefill_tokens = sum(batch.num_new_tokens) - num_decodes - num_drafted
-        checked: list[tuple[Request, list[int]]] = []  # speculative requests and the model's greedy tokens
-        if drafts:
-            logits, to_sample, checked = split_drafts(logits, to_sample, spans, drafts)
-        result = self.sampler.sample(logits, to_sample) if to_sample else None
+        rows_of = sample_rows(to_sample, spans) if drafts else to_sample  # the request of each logits row
+        seeded = {req: req.generator.get_state() for req in drafts
+                  if req.generator is not None and not req.params.greedy}  # rewound to the kept rows
+        result = self.sampler.sample(logits, rows_of) if rows_of else None
         if self._num_teachers and result is not None:
-            self._force(logits, to_sample, result.token_ids)
+            self._force(logits, rows_of, result.token_ids)
         finished: list[RequestOutput] = []
         for req in batch.requests:
             if req.forks:
@@ -248,13 +248,17 @@ class LLMEngine:
                 req.forks = []
             if req not in drafts:
                 self.kv.cache_full_blocks(req)
-        for j, req in enumerate(to_sample):
-            lp = result.logprobs[j] if result.logprobs is not None else None
-            self._append_token(req, result.token_ids[j], lp)
+        row = 0
+        for req, span in zip(to_sample, spans):
+            lps = result.logprobs[row:row + span] if result.logprobs is not None else [None] * span
+            if req in drafts:
+                kept = self._accept(req, drafts[req], result.token_ids[row:row + span], lps)
+                if req in seeded and kept < span:
+                    rewind(req.generator, seeded[req], kept, logits.shape[1])
+            else:
+                self._append_token(req, result.token_ids[row], lps[0])
             self._note_finished(req, finished)
-        for req, tokens in checked:
-            self._accept(req, drafts[req], tokens)
-            self._note_finished(req, finished)
+            row += span
         return finished
 
     def _note_finished(self, req: Request, finished: list[RequestOutput]) -> None:
@@ -265,10 +269,12 @@ class LLMEngine:
                 finished.append(self._finish_group(group))
 
     # -- speculative decoding (worker/speculative.py) --------------------------------------------
-    def _accept(self, req: Request, draft: list[int], tokens: list[int]) -> None:
-        """The draft's leading tokens that match the model's greedy choices, then the model's next
-        one, become the request's output; the rest of the draft is dropped. K/V computed for the
-        dropped tokens sit past num_computed_tokens, where the next tokens overwrite them."""
+    def _accept(self, req: Request, draft: list[int], tokens: list[int],
+                logprobs: list[dict[int, float] | None]) -> int:
+        """The draft's leading tokens that match the model's samples at their rows (its greedy
+        choices, for a greedy request), then the next row's sample, become the request's output;
+        the rest of the draft is dropped. K/V computed for the dropped tokens sit past
+        num_computed_tokens, where the next tokens overwrite them. Returns the rows kept."""
         accepted = 0
         while accepted < len(draft) and tokens[accepted] == draft[accepted]:
             accepted += 1
@@ -277,11 +283,12 @@ class LLMEngine:
         self.stats.num_draft_tokens += len(draft)
         self.stats.num_accepted_draft_tokens += accepted
         req.ngram.record(len(draft), accepted)
-        for token in tokens[:accepted + 1]:
-            self._append_token(req, token, None)
+        for token, lp in zip(tokens[:accepted + 1], logprobs):
+            self._append_token(req, token, lp)
             if req.is_finished:
-                return
+                return accepted + 1
         self.kv.cache_full_blocks(req)
+        return accepted + 1
 
     def _force(self, logits: torch.Tensor, to_sample: list[Request], token_ids: list[int]) -> None:
         """Replace teacher-forced rows' samples with the teacher's tokens, recording their log-probs."""

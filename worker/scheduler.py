@@ -42,7 +42,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk per step; 0 = budget
     policy: str = "fcfs"  # or "offline" (see the module's docstring)
     offline_step_rows: int = 12  # the "offline" policy's rows in a step with decodes
-    # speculative decoding (worker/speculative.py): drafts of up to speculative_tokens a greedy
+    # speculative decoding (worker/speculative.py): drafts of up to speculative_tokens a
     # request, added while the step holds at most speculative_step_tokens tokens; 0: off
     speculative_tokens: int = 0
     speculative_step_tokens: int = 8  # LLM's CPU default (256 on GPU)

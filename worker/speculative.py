@@ -1,8 +1,8 @@
 """Speculative decoding by n-gram lookup: drafts from the request's own tokens, checked by the model.
 
 A decode step reads every weight to produce one token per sequence; while a step is memory-bound,
-more rows cost little. So for a greedy request, the engine guesses the next few tokens and the
-step computes them with the real one, as a short chunk:
+more rows cost little. So the engine guesses a request's next few tokens and the step computes
+them with the real one, as a short chunk:
 
     tokens:  ... a b c | d        (d: sampled last step, not yet computed)
     lookup:  the latest earlier "b c d" in the request's tokens was followed by "e f"
@@ -20,6 +20,15 @@ The lookup keeps, per request, a dict from each n-gram (n = 1 .. MAX_NGRAM) to t
 token that last followed it, updated as tokens arrive: one lookup per n per step, not a scan.
 Outputs that repeat themselves (lists, code, the loops of a small model) draft well; fresh prose
 drafts little, and a step without drafts is a plain decode step.
+
+Sampled requests are checked the same way: each row is sampled as a plain step would sample it,
+and a draft token is kept while it equals the row's sample. A draft is one token for certain, so
+this is the speculative-sampling rule itself: the token is kept with the probability the model
+gives it, and otherwise the row's sample, drawn from the distribution less that token, replaces
+it. Every kept token is drawn from the model's distribution given the tokens before it, so the
+output is distributed as plain sampling. The sampler draws a seeded request's noise one row at a
+time from the request's own generator (worker/sampler.py), and `rewind` puts the generator back
+to where the kept rows leave it, so a seeded request gives the tokens it gives without drafts.
 """
 
 from __future__ import annotations
@@ -87,7 +96,7 @@ class NgramIndex:
 
 
 def add_drafts(batch: ScheduledBatch, kv: KVCacheManager, config: SchedulerConfig) -> dict[Request, list[int]]:
-    """Give greedy decodes of this batch drafts from their own tokens, while the step holds at most
+    """Give decodes of this batch drafts from their own tokens, while the step holds at most
     config.speculative_step_tokens tokens; each draft joins its request's tokens for this step (the
     engine takes it out again once the model has checked it) and the batch is reordered, one-token
     rows first. Requests with the most output to go draft first: a batch lasts as long as its
@@ -99,7 +108,7 @@ def add_drafts(batch: ScheduledBatch, kv: KVCacheManager, config: SchedulerConfi
     for i in range(batch.num_decodes):
         req = batch.requests[i]
         p = req.params
-        if (p.greedy and p.logprobs is None and req.teacher is None and req.eviction is None and not req.forks
+        if (req.teacher is None and req.eviction is None and not req.forks
                 and req.num_computed_tokens + 1 == req.num_tokens):
             candidates.append((p.max_tokens - req.num_output_tokens, i))
     candidates.sort(key=lambda c: -c[0])
@@ -128,24 +137,17 @@ def add_drafts(batch: ScheduledBatch, kv: KVCacheManager, config: SchedulerConfi
     return drafts
 
 
-Checked = list[tuple["Request", list[int]]]  # drafting requests and the model's greedy token at each of their rows
+def sample_rows(to_sample: list[Request], spans: list[int]) -> list[Request]:
+    """The request of each logits row: a drafting request once per row of its span."""
+    return [req for req, span in zip(to_sample, spans) for _ in range(span)]
 
 
-def split_drafts(logits: torch.Tensor, to_sample: list[Request], spans: list[int],
-                 drafts: dict[Request, list[int]]) -> tuple[torch.Tensor, list[Request], Checked]:
-    """(logits of the rows sampled as usual, their requests, [(drafting request, the model's greedy
-    token at each of its rows)]), from a step's logits of spans[j] rows for to_sample[j]."""
-    from kvstrata.worker.sampler import argmax_rows
+def rewind(generator: torch.Generator, state: torch.Tensor, rows: int, vocab: int) -> None:
+    """Set a seeded request's generator to where `rows` sampled rows leave it from `state`: the
+    sampler draws one row of `vocab` exponentials from it per row (Sampler._sample_random)."""
+    import torch
 
-    plain_rows: list[int] = []
-    plain: list[Request] = []
-    checked: Checked = []
-    row = 0
-    for req, span in zip(to_sample, spans):
-        if req in drafts:
-            checked.append((req, argmax_rows(logits[row:row + span]).tolist()))
-        else:
-            plain_rows.append(row)
-            plain.append(req)
-        row += span
-    return logits[plain_rows], plain, checked
+    generator.set_state(state)
+    noise = torch.empty(vocab)
+    for _ in range(rows):
+        noise.exponential_(generator=generator)

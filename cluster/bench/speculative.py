@@ -1,9 +1,10 @@
 """`kvstrata bench speculative`: speculative decoding by n-gram lookup against plain decoding.
 
 Real chat prompts in English (an explanation, code, a summary, lists and tables to rewrite), each
-greedy, run by one engine with speculation off and on in turn, the order swapped every round so
-that drift hits both alike: first every prompt alone (a single user, the memory-bound case), then
-all at once as one batch. Each figure is the median over the rounds; the report also checks that
+greedy (or sampled at --temperature, prompt i with seed i, so that both ways draw alike), run by one
+engine with speculation off and on in turn, the order swapped every round so that drift hits both
+alike: first every prompt alone (a single user, the memory-bound case), then all at once as one
+batch. Each figure is the median over the rounds; the report also checks that
 both ways gave the same tokens, and counts the draft tokens the model accepted. With --baseline hf,
 HF transformers runs each prompt alone too, with `generate` and with its own n-gram speculation
 (`prompt_lookup_num_tokens`, for one sequence at a time), the same number of draft tokens.
@@ -19,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstrata.cluster.argtypes import positive_int
+from kvstrata.cluster.argtypes import non_negative_float, positive_int
 from kvstrata.worker.model_source import DEFAULT_MODEL
 
 _PARAGRAPH = (
@@ -68,6 +69,7 @@ class SpeculativeReport:
     alone: list[PromptResult]
     batch: PromptResult
     hf: list[PromptResult] | None = None  # HF transformers, each prompt alone: generate, prompt lookup
+    temperature: float = 0.0  # 0: greedy
 
     @property
     def over_hf_lookup(self) -> float | None:
@@ -84,6 +86,7 @@ class SpeculativeReport:
 
     def to_json(self) -> dict[str, Any]:
         return {"speculative_tokens": self.speculative_tokens, "speculative_step_tokens": self.step_tokens,
+                "temperature": self.temperature,
                 "median_speedup_alone": round(self.median_speedup_alone, 3),
                 "alone": [r.to_json() for r in self.alone], "batch": self.batch.to_json(),
                 "hf": None if self.hf is None else [r.to_json() for r in self.hf],
@@ -97,6 +100,8 @@ def add_bench_speculative_parser(bench_sub) -> None:
     p.add_argument("--speculative-tokens", type=positive_int, default=4, help="draft tokens a step (default 4)")
     p.add_argument("--speculative-step-tokens", type=positive_int, default=None,
                    help="drafts only while a step holds at most this many tokens (default: the engine's, 8 on CPU)")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0,
+                   help="0 (the default): greedy; above 0, sampled, each prompt with its own seed")
     p.add_argument("--max-tokens", type=positive_int, default=128,
                    help="output tokens per prompt at most (default 128)")
     p.add_argument("--rounds", type=positive_int, default=3)
@@ -116,7 +121,7 @@ def chat_ids(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
 
 
 def bench_speculative(llm: Any, prompts: list[str], speculative_tokens: int, max_tokens: int,
-                      rounds: int, step_tokens: int | None = None) -> SpeculativeReport:
+                      rounds: int, step_tokens: int | None = None, temperature: float = 0.0) -> SpeculativeReport:
     import dataclasses
 
     from kvstrata.worker.sampling_params import SamplingParams
@@ -125,17 +130,18 @@ def bench_speculative(llm: Any, prompts: list[str], speculative_tokens: int, max
     plain_config = engine.scheduler.config
     spec_config = dataclasses.replace(plain_config, speculative_tokens=speculative_tokens,
                                       speculative_step_tokens=step_tokens or plain_config.speculative_step_tokens)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i if temperature else None)
+              for i in range(len(prompts))]
     ids = chat_ids(llm.tokenizer, prompts)
     llm.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=4))  # one-time costs out of the figures
 
-    def run(batch: list[list[int]], speculate: bool, result: PromptResult) -> list[list[int]]:
+    def run(which: list[int], speculate: bool, result: PromptResult) -> list[list[int]]:
         engine.scheduler.config = spec_config if speculate else plain_config
         llm.reset_prefix_cache()  # both ways compute every prompt
         drafted, accepted = engine.stats.num_draft_tokens, engine.stats.num_accepted_draft_tokens
         try:
             t0 = time.perf_counter()
-            outs = llm.generate(batch, params)
+            outs = llm.generate([ids[i] for i in which], [params[i] for i in which])
             (result.speculative_s if speculate else result.plain_s).append(time.perf_counter() - t0)
         finally:
             engine.scheduler.config = plain_config
@@ -147,11 +153,12 @@ def bench_speculative(llm: Any, prompts: list[str], speculative_tokens: int, max
     together = PromptResult(f"all {len(prompts)} prompts at once", 0)
     for r in range(rounds):
         order = (False, True) if r % 2 == 0 else (True, False)
-        for prompt_ids, result in [([i], res) for i, res in zip(ids, alone)] + [(ids, together)]:
-            tokens = {speculate: run(prompt_ids, speculate, result) for speculate in order}
+        for which, result in [([i], res) for i, res in enumerate(alone)] + [(list(range(len(ids))), together)]:
+            tokens = {speculate: run(which, speculate, result) for speculate in order}
             result.identical &= tokens[False] == tokens[True]
             result.output_tokens = sum(len(t) for t in tokens[False])
-    return SpeculativeReport(speculative_tokens, spec_config.speculative_step_tokens, alone, together)
+    return SpeculativeReport(speculative_tokens, spec_config.speculative_step_tokens, alone, together,
+                             temperature=temperature)
 
 
 def bench_hf(model: Any, ids: list[list[int]], prompts: list[str], lookup_tokens: int, max_tokens: int,
@@ -184,7 +191,8 @@ def bench_hf(model: Any, ids: list[list[int]], prompts: list[str], lookup_tokens
 
 def format_report(report: SpeculativeReport) -> list[str]:
     lines = [f"speculative decoding, up to {report.speculative_tokens} draft tokens a request and "
-             f"{report.step_tokens} tokens a step; median of "
+             f"{report.step_tokens} tokens a step, "
+             f"{f'sampled at temperature {report.temperature:g}' if report.temperature else 'greedy'}; median of "
              f"{len(report.batch.plain_s)} rounds each way",
              f"{'prompt':<42}{'tokens':>7}{'plain tok/s':>13}{'spec tok/s':>12}{'speedup':>9}{'accepted':>10}"
              f"{'same':>6}"]
@@ -215,11 +223,13 @@ def format_report(report: SpeculativeReport) -> list[str]:
 def run_speculative_cmd(args: argparse.Namespace) -> int:
     from kvstrata.worker.llm import LLM
 
+    if args.baseline == "hf" and args.temperature:
+        raise ValueError("--baseline hf runs greedy only: leave --temperature at 0 to use it")
     prompts = list(PROMPTS[:args.num_prompts])
     llm = LLM(args.model, dtype=args.dtype)
     try:
         report = bench_speculative(llm, prompts, args.speculative_tokens, args.max_tokens, args.rounds,
-                                   args.speculative_step_tokens)
+                                   args.speculative_step_tokens, args.temperature)
         ids = chat_ids(llm.tokenizer, prompts)
     finally:
         llm.close()
