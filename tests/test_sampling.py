@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvstrata.worker.cpu_kernels import load_cpu_kernels
 from kvstrata.worker.request import Request
 from kvstrata.worker.sampler import Sampler
 from kvstrata.worker.sampling_params import SamplingParams
@@ -116,6 +117,65 @@ def test_temperature_sampling_matches_softmax_frequencies():
     assert _chi_square(counts, torch.softmax(logits / temperature, -1)) < 20.5
     # and the test can tell temperatures apart: the same draws are far from T=1
     assert _chi_square(counts, torch.softmax(logits, -1)) > 200
+
+
+def _settings(rows: list[dict], vocab: int):
+    temps = torch.tensor([r.get("temperature", 1.0) for r in rows])
+    top_k = torch.tensor([r.get("top_k", 0) for r in rows])
+    top_p = torch.tensor([r.get("top_p", 1.0) for r in rows])
+    min_p = torch.tensor([r.get("min_p", 0.0) for r in rows])
+    return temps, top_k, top_p, min_p
+
+
+def test_a_row_samples_the_inverse_of_its_cumulative_sum():
+    from kvstrata.worker.sampler import _sample_torch
+
+    # probs 0.1, 0.2, 0.3, 0.4 in id order: u in [0, 0.1) gives 0, [0.1, 0.3) 1, [0.3, 0.6) 2, else 3
+    logits = torch.tensor([0.1, 0.2, 0.3, 0.4]).log().repeat(6, 1)
+    u = torch.tensor([0.0, 0.05, 0.15, 0.35, 0.65, 0.999], dtype=torch.float64)
+    settings = _settings([{}] * 6, 4)
+    want = [0, 0, 1, 2, 3, 3]
+    assert _sample_torch(logits, *settings, u).tolist() == want
+    kernels = load_cpu_kernels()
+    if kernels is not None:
+        assert kernels.sample(logits, *settings, u).tolist() == want
+        # top_k 2 keeps 2 and 3 (3 / 7 and 4 / 7): u below 3 / 7 gives 2
+        two = _settings([{"top_k": 2}] * 2, 4)
+        assert kernels.sample(logits[:2], *two, torch.tensor([0.42, 0.43], dtype=torch.float64)).tolist() == [2, 3]
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 49152])
+def test_the_c_sampler_draws_what_the_torch_path_draws(vocab):
+    from kvstrata.worker.sampler import _sample_torch
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(vocab)
+    kinds = [{}, {"temperature": 0.7}, {"temperature": 1.3, "top_k": 5}, {"top_p": 0.9}, {"top_p": 0.5, "top_k": 50},
+             {"min_p": 0.05}, {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.02}, {"temperature": 0.0}]
+    rows = [kinds[i % len(kinds)] for i in range(96)]
+    logits = torch.randn(len(rows), vocab, generator=g) * 3
+    u = torch.rand(len(rows), dtype=torch.float64, generator=g)
+    settings = _settings(rows, vocab)
+    c = kernels.sample(logits, *settings, u)
+    t = _sample_torch(logits, *settings, u)
+    assert c is not None and c.tolist() == t.tolist()
+    # the draws cover more than one token a row kind, so the check has something to disagree on
+    assert len(set(c.tolist())) > 10 if vocab > 7 else len(set(c.tolist())) > 3
+
+
+def test_top_k_top_p_and_min_p_together_match_their_distribution():
+    # probs 0.35, 0.25, 0.2, 0.1, 0.06, 0.04: top_k 5 drops 0.04; top_p 0.8 of the rest (0.96) keeps
+    # tokens while the mass before is under 0.768: 0, 1, 2 (0.8 before token 3); min_p 0.6 of 0.35
+    # (0.21) drops token 2: 0 and 1 remain, 7:5
+    probs = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.06, 0.04])
+    n = 6000
+    res = Sampler(12).sample(probs.log().repeat(n, 1),
+                             [_req(i, temperature=1.0, top_k=5, top_p=0.8, min_p=0.6) for i in range(n)])
+    counts = _counts(res.token_ids, 6)
+    assert counts[2:].sum() == 0
+    assert _chi_square(counts[:2], torch.tensor([7 / 12, 5 / 12])) < 10.83  # df=1, p=0.001
 
 
 def test_seeded_row_is_independent_of_the_rest_of_the_batch():

@@ -199,7 +199,7 @@ def test_a_seeded_generator_rewinds_to_the_rows_kept():
         start = req.generator.get_state()
         drawn = Sampler().sample(logits, [req] * 4).token_ids  # a draft of three: four rows
         all_four = req.generator.get_state()
-        rewind(req.generator, start, kept, logits.shape[1])
+        rewind(req.generator, start, kept)
         rewound = req.generator.get_state()
         req.generator = torch.Generator().manual_seed(11)
         assert Sampler().sample(logits[:kept], [req] * kept).token_ids == drawn[:kept]  # rows draw in order

@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import subprocess
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,9 @@ class CpuKernels:
         lib.kvs_stage_slot.restype = ctypes.c_uint32
         lib.kvs_argmax_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         lib.kvs_argmax_f32.restype = ctypes.c_int64
+        lib.kvs_sample_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 7
+        lib.kvs_sample_f32.restype = ctypes.c_int64
+        self._sample_scratch = threading.local()  # kvs_sample_f32's room, kept between calls, one per thread
         rows = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # x, its stride, slots, tokens
         lib.kvs_int4_write_keys.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + rows + [ctypes.c_void_p,
                                                                                                ctypes.c_int]
@@ -405,6 +409,29 @@ class CpuKernels:
             raise ValueError("argmax needs rows [N, V] with V >= 1")
         out = torch.empty(x.shape[0], dtype=torch.int64)
         if self._lib.kvs_argmax_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()):
+            return None
+        return out
+
+    def sample(self, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+        """One sample from each float32 row of logits [N, V] (csrc/sample.c), as int64 [N]: the token
+        where row i's kept weights' running sum passes u[i] of their total, after temperature (<= 0:
+        the row's first largest value), top_k (0: all), top_p and min_p; None when a row holds a NaN.
+        temperature, top_p and min_p float32 [N], top_k int64 [N], u float64 [N] in [0, 1)."""
+        x = _dense_f32(x)
+        if x.dim() != 2 or x.shape[1] == 0:
+            raise ValueError("sample needs rows [N, V] with V >= 1")
+        rows, vocab = x.shape
+        args = [temperature.float(), top_k.long(), top_p.float(), min_p.float(), u.double()]
+        if any(a.shape != (rows,) for a in args):
+            raise ValueError(f"sample: every per-row setting needs shape ({rows},)")
+        args = [a.contiguous() for a in args]
+        scratch = getattr(self._sample_scratch, "room", None)
+        if scratch is None or scratch.numel() < rows * vocab * 12:
+            scratch = self._sample_scratch.room = torch.empty(rows * vocab * 12, dtype=torch.uint8)
+        out = torch.empty(rows, dtype=torch.int64)
+        if self._lib.kvs_sample_f32(x.data_ptr(), rows, vocab, *(a.data_ptr() for a in args),
+                                    scratch.data_ptr(), out.data_ptr()):
             return None
         return out
 

@@ -58,7 +58,6 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.kv = kv
         self.config = runner.model.config
-        self.scheduler_config = scheduler_config
         self.scheduler = Scheduler(scheduler_config, kv)
         self.sampler = Sampler(seed)
         self.kv_eviction = kv_eviction
@@ -202,6 +201,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's config: one copy, so that a config swapped in there holds everywhere."""
+        return self.scheduler.config
+
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns the outputs of groups that finished in this step."""
@@ -254,7 +258,7 @@ class LLMEngine:
             if req in drafts:
                 kept = self._accept(req, drafts[req], result.token_ids[row:row + span], lps)
                 if req in seeded and kept < span:
-                    rewind(req.generator, seeded[req], kept, logits.shape[1])
+                    rewind(req.generator, seeded[req], kept)
             else:
                 self._append_token(req, result.token_ids[row], lps[0])
             self._note_finished(req, finished)

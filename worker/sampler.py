@@ -1,8 +1,12 @@
-"""Batched sampling: one set of tensor ops for every row, whatever mix of parameters the rows use.
+"""Batched sampling: one call for every row, whatever mix of parameters the rows use.
 
-Random sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from p
-exactly. Rows with a seed draw E from their own generator, so a seeded request's samples do not
-depend on what else is in the batch.
+A random row draws one uniform number u and takes the token at which the running sum of its kept
+probabilities (after temperature, top_k, top_p and min_p), in token-id order, passes u: the
+inverse of the distribution's cumulative sum, which draws from it exactly. On CPU one C pass a row
+does it (csrc/sample.c), without sorting the vocabulary for top_k or top_p; elsewhere, or where a
+row holds a NaN, torch does the same arithmetic. Rows with a seed draw u from their own generator,
+one number a row (`draw_uniform`), so a seeded request's samples do not depend on what else is in
+the batch, and speculative decoding can set the generator back by rows.
 """
 
 from __future__ import annotations
@@ -49,24 +53,44 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         n, vocab = logits.shape
         params = [r.params for r in requests]
-        greedy_rows = torch.tensor([p.greedy for p in params])
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
-        x = logits / temps[:, None]  # [N, V]
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-        top_p = torch.tensor([p.top_p for p in params])
-        min_p = torch.tensor([p.min_p for p in params])
-        if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
-            x = _apply_top_k_top_p(x, top_k, top_p)
-        probs = torch.softmax(x, dim=-1)
-        if bool((min_p > 0).any()):
-            max_p = probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < min_p[:, None] * max_p, 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        u = torch.rand(n, dtype=torch.float64, generator=self.generator)
         for i, r in enumerate(requests):
             if r.generator is not None and not params[i].greedy:
-                noise[i].exponential_(generator=r.generator)
-        sampled = argmax_rows(probs / noise)
-        return torch.where(greedy_rows, argmax_rows(logits), sampled)
+                u[i] = draw_uniform(r.generator)
+        temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params])
+        top_p = torch.tensor([p.top_p for p in params])
+        min_p = torch.tensor([p.min_p for p in params])
+        kernels = load_cpu_kernels() if logits.dtype == torch.float32 else None
+        if kernels is not None:
+            out = kernels.sample(logits, temps, top_k, top_p, min_p, u)
+            if out is not None:
+                return out
+        return _sample_torch(logits, temps, top_k, top_p, min_p, u)
+
+
+def draw_uniform(generator: torch.Generator) -> float:
+    """A seeded row's one random number in [0, 1): the only draw a sampled row makes."""
+    return float(torch.rand(1, dtype=torch.float64, generator=generator))
+
+
+def _sample_torch(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """csrc/sample.c's sampling in torch ops: the token where each row's kept probabilities, summed
+    in id order, pass u of their total; rows with temperature 0 take their argmax."""
+    vocab = logits.shape[1]
+    greedy_rows = temps <= 0
+    x = logits.float() / torch.where(greedy_rows, 1.0, temps)[:, None]
+    top_k = torch.where(top_k > 0, top_k, vocab)
+    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+        x = _apply_top_k_top_p(x, top_k, top_p)
+    probs = torch.softmax(x, dim=-1)
+    if bool((min_p > 0).any()):
+        max_p = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < min_p[:, None] * max_p, 0.0)
+    sums = probs.double().cumsum(dim=-1)
+    sampled = torch.searchsorted(sums, (u * sums[:, -1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
+    return torch.where(greedy_rows, argmax_rows(logits), sampled)
 
 
 def _greedy_on_device(logits: torch.Tensor, params: list) -> SampleResult:

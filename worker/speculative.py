@@ -26,8 +26,8 @@ and a draft token is kept while it equals the row's sample. A draft is one token
 this is the speculative-sampling rule itself: the token is kept with the probability the model
 gives it, and otherwise the row's sample, drawn from the distribution less that token, replaces
 it. Every kept token is drawn from the model's distribution given the tokens before it, so the
-output is distributed as plain sampling. The sampler draws a seeded request's noise one row at a
-time from the request's own generator (worker/sampler.py), and `rewind` puts the generator back
+output is distributed as plain sampling. The sampler draws a seeded request's random number, one a
+row, from the request's own generator (worker/sampler.py), and `rewind` puts the generator back
 to where the kept rows leave it, so a seeded request gives the tokens it gives without drafts.
 """
 
@@ -142,12 +142,11 @@ def sample_rows(to_sample: list[Request], spans: list[int]) -> list[Request]:
     return [req for req, span in zip(to_sample, spans) for _ in range(span)]
 
 
-def rewind(generator: torch.Generator, state: torch.Tensor, rows: int, vocab: int) -> None:
+def rewind(generator: torch.Generator, state: torch.Tensor, rows: int) -> None:
     """Set a seeded request's generator to where `rows` sampled rows leave it from `state`: the
-    sampler draws one row of `vocab` exponentials from it per row (Sampler._sample_random)."""
-    import torch
+    sampler draws one number a row from it (sampler.draw_uniform)."""
+    from kvstrata.worker.sampler import draw_uniform
 
     generator.set_state(state)
-    noise = torch.empty(vocab)
     for _ in range(rows):
-        noise.exponential_(generator=generator)
+        draw_uniform(generator)
