@@ -154,6 +154,7 @@ def test_the_c_sampler_draws_what_the_torch_path_draws(vocab):
     g = torch.Generator().manual_seed(vocab)
     kinds = [{}, {"temperature": 0.7}, {"temperature": 1.3, "top_k": 5}, {"top_p": 0.9}, {"top_p": 0.5, "top_k": 50},
              {"min_p": 0.05}, {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.02}, {"temperature": 0.0}]
+    kinds += [{"top_p": 0.0}, {"top_p": 1e-30, "top_k": 3}]  # a nucleus of the top token alone
     rows = [kinds[i % len(kinds)] for i in range(96)]
     logits = torch.randn(len(rows), vocab, generator=g) * 3
     u = torch.rand(len(rows), dtype=torch.float64, generator=g)

@@ -122,7 +122,7 @@ static void keep_top(float *w, int64_t n, int64_t top_k, float top_p, float min_
         mass[b] += w[i];
         total += w[i];
     }
-    /* the last bin holding a token that may be kept */
+    /* the last bin holding a token that may be kept; never before the largest weight's (1's) */
     int last = BINS - 1;
     if (top_k > 0 && top_k < n) {
         int64_t seen = 0;
@@ -137,12 +137,13 @@ static void keep_top(float *w, int64_t n, int64_t top_k, float top_p, float min_
         double seen = 0.0;
         for (int b = 0; b < BINS; b++) {
             seen += mass[b];
-            if (seen >= top_p * total) {
+            if (seen > 0.0 && seen >= top_p * total) {
                 last = b + 1 < BINS ? b + 1 : b;
                 break;
             }
         }
     }
+    if (last < bin_of(1.0f)) last = bin_of(1.0f);
     int64_t m = 0;
     for (int64_t i = 0; i < n; i++)
         if (bin_of(w[i]) <= last) cand[m++] = (Cand){w[i], (int32_t)i};
