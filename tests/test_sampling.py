@@ -3,6 +3,8 @@ and `SamplingParams` validation."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -127,21 +129,19 @@ def _settings(rows: list[dict], vocab: int):
     return temps, top_k, top_p, min_p
 
 
-def test_a_row_samples_the_inverse_of_its_cumulative_sum():
-    from kvstrata.worker.sampler import _sample_torch
+def test_race_noise_is_exponential_keyed_and_independent_across_tokens_and_keys():
+    from kvstrata.worker.sampler import race_noise
 
-    # probs 0.1, 0.2, 0.3, 0.4 in id order: u in [0, 0.1) gives 0, [0.1, 0.3) 1, [0.3, 0.6) 2, else 3
-    logits = torch.tensor([0.1, 0.2, 0.3, 0.4]).log().repeat(6, 1)
-    u = torch.tensor([0.0, 0.05, 0.15, 0.35, 0.65, 0.999], dtype=torch.float64)
-    settings = _settings([{}] * 6, 4)
-    want = [0, 0, 1, 2, 3, 3]
-    assert _sample_torch(logits, *settings, u).tolist() == want
-    kernels = load_cpu_kernels()
-    if kernels is not None:
-        assert kernels.sample(logits, *settings, u).tolist() == want
-        # top_k 2 keeps 2 and 3 (3 / 7 and 4 / 7): u below 3 / 7 gives 2
-        two = _settings([{"top_k": 2}] * 2, 4)
-        assert kernels.sample(logits[:2], *two, torch.tensor([0.42, 0.43], dtype=torch.float64)).tolist() == [2, 3]
+    e = race_noise(torch.tensor([12345, 12346, 1 << 52]), 200_000).double()
+    assert bool((e > 0).all()) and bool(torch.isfinite(e).all())
+    for row in e:  # Exp(1): mean 1, variance 1, P(E > 1) = 1 / e, P(E > 5) = e^-5
+        assert float(row.mean()) == pytest.approx(1.0, abs=0.01)
+        assert float(row.var()) == pytest.approx(1.0, abs=0.03)
+        assert float((row > 1).double().mean()) == pytest.approx(math.exp(-1), abs=0.005)
+        assert float((row > 5).double().mean()) == pytest.approx(math.exp(-5), rel=0.1)
+    # neighbouring keys and neighbouring tokens are uncorrelated
+    assert abs(float(torch.corrcoef(e[:2])[0, 1])) < 0.01
+    assert abs(float(torch.corrcoef(torch.stack([e[0, :-1], e[0, 1:]]))[0, 1])) < 0.01
 
 
 @pytest.mark.parametrize("vocab", [7, 1000, 49152])
@@ -157,10 +157,10 @@ def test_the_c_sampler_draws_what_the_torch_path_draws(vocab):
     kinds += [{"top_p": 0.0}, {"top_p": 1e-30, "top_k": 3}]  # a nucleus of the top token alone
     rows = [kinds[i % len(kinds)] for i in range(96)]
     logits = torch.randn(len(rows), vocab, generator=g) * 3
-    u = torch.rand(len(rows), dtype=torch.float64, generator=g)
+    keys = torch.randint(0, 1 << 53, (len(rows),), generator=g)
     settings = _settings(rows, vocab)
-    c = kernels.sample(logits, *settings, u)
-    t = _sample_torch(logits, *settings, u)
+    c = kernels.sample(logits, *settings, keys)
+    t = _sample_torch(logits, *settings, keys)
     assert c is not None and c.tolist() == t.tolist()
     # the draws cover more than one token a row kind, so the check has something to disagree on
     assert len(set(c.tolist())) > 10 if vocab > 7 else len(set(c.tolist())) > 3

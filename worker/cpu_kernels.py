@@ -413,16 +413,16 @@ class CpuKernels:
         return out
 
     def sample(self, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-               min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
-        """One sample from each float32 row of logits [N, V] (csrc/sample.c), as int64 [N]: the token
-        where row i's kept weights' running sum passes u[i] of their total, after temperature (<= 0:
+               min_p: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+        """One sample from each float32 row of logits [N, V] (csrc/sample.c), as int64 [N]: the
+        exponential race over the row's kept weights with noise from key[i], after temperature (<= 0:
         the row's first largest value), top_k (0: all), top_p and min_p; None when a row holds a NaN.
-        temperature, top_p and min_p float32 [N], top_k int64 [N], u float64 [N] in [0, 1)."""
+        temperature, top_p and min_p float32 [N], top_k int64 [N], key int64 [N] (53 bits)."""
         x = _dense_f32(x)
         if x.dim() != 2 or x.shape[1] == 0:
             raise ValueError("sample needs rows [N, V] with V >= 1")
         rows, vocab = x.shape
-        args = [temperature.float(), top_k.long(), top_p.float(), min_p.float(), u.double()]
+        args = [temperature.float(), top_k.long(), top_p.float(), min_p.float(), key.long()]
         if any(a.shape != (rows,) for a in args):
             raise ValueError(f"sample: every per-row setting needs shape ({rows},)")
         args = [a.contiguous() for a in args]

@@ -1,12 +1,14 @@
 """Batched sampling: one call for every row, whatever mix of parameters the rows use.
 
-A random row draws one uniform number u and takes the token at which the running sum of its kept
-probabilities (after temperature, top_k, top_p and min_p), in token-id order, passes u: the
-inverse of the distribution's cumulative sum, which draws from it exactly. On CPU one C pass a row
-does it (csrc/sample.c), without sorting the vocabulary for top_k or top_p; elsewhere, or where a
-row holds a NaN, torch does the same arithmetic. Rows with a seed draw u from their own generator,
-one number a row (`draw_uniform`), so a seeded request's samples do not depend on what else is in
-the batch, and speculative decoding can set the generator back by rows.
+A random row samples by the exponential race: the token with the largest p_i / E_i, E_i ~ Exp(1),
+over its kept probabilities (after temperature, top_k, top_p and min_p), which draws from them
+exactly. The row's noise comes from one 53-bit key: E_i = -ln U_i with U_i a counter-based hash of
+(key, i). On CPU one C pass a row does it (csrc/sample.c), without sorting the vocabulary for
+top_k or top_p; elsewhere, or where a row holds a NaN, torch does the same arithmetic. Rows with a
+seed draw their key from their own generator, one key a row (`draw_key`), so a seeded request's
+samples do not depend on what else is in the batch, and speculative decoding can set the
+generator back by rows. A race moves only where two tokens nearly tie, so the last-bit differences
+between a chunk's logits and a decode step's leave a seeded request's tokens as they are.
 """
 
 from __future__ import annotations
@@ -53,31 +55,54 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         n, vocab = logits.shape
         params = [r.params for r in requests]
-        u = torch.rand(n, dtype=torch.float64, generator=self.generator)
+        keys = torch.randint(0, KEY_RANGE, (n,), generator=self.generator)
         for i, r in enumerate(requests):
             if r.generator is not None and not params[i].greedy:
-                u[i] = draw_uniform(r.generator)
+                keys[i] = draw_key(r.generator)
         temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
         top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params])
         top_p = torch.tensor([p.top_p for p in params])
         min_p = torch.tensor([p.min_p for p in params])
         kernels = load_cpu_kernels() if logits.dtype == torch.float32 else None
         if kernels is not None:
-            out = kernels.sample(logits, temps, top_k, top_p, min_p, u)
+            out = kernels.sample(logits, temps, top_k, top_p, min_p, keys)
             if out is not None:
                 return out
-        return _sample_torch(logits, temps, top_k, top_p, min_p, u)
+        return _sample_torch(logits, temps, top_k, top_p, min_p, keys)
 
 
-def draw_uniform(generator: torch.Generator) -> float:
-    """A seeded row's one random number in [0, 1): the only draw a sampled row makes."""
-    return float(torch.rand(1, dtype=torch.float64, generator=generator))
+KEY_RANGE = 1 << 53  # a row's noise key: csrc/sample.c mixes its low 32 bits, then the rest
+
+
+def draw_key(generator: torch.Generator) -> int:
+    """A seeded row's noise key: the only draw a sampled row makes from its generator."""
+    return int(torch.randint(0, KEY_RANGE, (1,), generator=generator))
+
+
+def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """E [N, V] float32: csrc/sample.c's exponential noise, -ln U with U from the hash of (key, i)."""
+    mask = 0xFFFFFFFF
+
+    def mul32(x: torch.Tensor, c: int) -> torch.Tensor:  # (x * c) mod 2^32 without int64 overflow
+        return (x * (c & 0xFFFF) + ((x * (c >> 16)) << 16)) & mask
+
+    def mix32(x: torch.Tensor) -> torch.Tensor:
+        x = x ^ (x >> 16)
+        x = mul32(x, 0x7FEB352D)
+        x = x ^ (x >> 15)
+        x = mul32(x, 0x846CA68B)
+        return x ^ (x >> 16)
+
+    idx = torch.arange(vocab, dtype=torch.int64)[None, :]
+    h = mix32(mix32(mul32(idx, 0x9E3779B9) ^ (keys[:, None] & mask)) ^ (keys[:, None] >> 32))
+    u = (h >> 8).float() * 5.9604645e-8 + 2.9802322e-8
+    return -torch.log(u)
 
 
 def _sample_torch(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """csrc/sample.c's sampling in torch ops: the token where each row's kept probabilities, summed
-    in id order, pass u of their total; rows with temperature 0 take their argmax."""
+                  min_p: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """csrc/sample.c's sampling in torch ops: the race over each row's kept probabilities with the
+    row's noise; rows with temperature 0 take their argmax."""
     vocab = logits.shape[1]
     greedy_rows = temps <= 0
     x = logits.float() / torch.where(greedy_rows, 1.0, temps)[:, None]
@@ -88,8 +113,7 @@ def _sample_torch(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor
     if bool((min_p > 0).any()):
         max_p = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < min_p[:, None] * max_p, 0.0)
-    sums = probs.double().cumsum(dim=-1)
-    sampled = torch.searchsorted(sums, (u * sums[:, -1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
+    sampled = argmax_rows(probs / race_noise(keys, vocab))
     return torch.where(greedy_rows, argmax_rows(logits), sampled)
 
 

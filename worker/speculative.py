@@ -26,7 +26,7 @@ and a draft token is kept while it equals the row's sample. A draft is one token
 this is the speculative-sampling rule itself: the token is kept with the probability the model
 gives it, and otherwise the row's sample, drawn from the distribution less that token, replaces
 it. Every kept token is drawn from the model's distribution given the tokens before it, so the
-output is distributed as plain sampling. The sampler draws a seeded request's random number, one a
+output is distributed as plain sampling. The sampler draws a seeded request's noise key, one a
 row, from the request's own generator (worker/sampler.py), and `rewind` puts the generator back
 to where the kept rows leave it, so a seeded request gives the tokens it gives without drafts.
 """
@@ -144,9 +144,9 @@ def sample_rows(to_sample: list[Request], spans: list[int]) -> list[Request]:
 
 def rewind(generator: torch.Generator, state: torch.Tensor, rows: int) -> None:
     """Set a seeded request's generator to where `rows` sampled rows leave it from `state`: the
-    sampler draws one number a row from it (sampler.draw_uniform)."""
-    from kvstrata.worker.sampler import draw_uniform
+    sampler draws one key a row from it (sampler.draw_key)."""
+    from kvstrata.worker.sampler import draw_key
 
     generator.set_state(state)
     for _ in range(rows):
-        draw_uniform(generator)
+        draw_key(generator)
