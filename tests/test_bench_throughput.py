@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -98,6 +99,57 @@ def test_bench_throughput_cli_tiny(tmp_path, capsys, monkeypatch, hf_reference):
     steps = report["kvstrata"]["step_profile"]
     assert steps["with_prompt_tokens"]["prompt_tokens"] == report["kvstrata"]["prompt_tokens"]  # nothing cached
     assert "decode-only:" in stdout and "kvstrata steps:" in stdout
+
+
+def test_bench_throughput_samples_when_asked(tmp_path, capsys, monkeypatch, hf_reference):
+    """--temperature and --top-p reach both engines: kvstrata's seeded requests, and HF's generate."""
+    import kvstrata.cluster.bench.throughput as throughput
+    from kvstrata.cluster.cli import main
+
+    monkeypatch.setattr(throughput, "load_hf_model", lambda model, dtype: hf_reference[1])
+    hf_calls = []
+    generate = hf_reference[1].generate
+
+    def recording(*args, **kwargs):
+        hf_calls.append({k: kwargs.get(k) for k in ("do_sample", "temperature", "top_p", "top_k")})
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(hf_reference[1], "generate", recording)
+    engines = []
+    run = throughput.run_kvstrata
+
+    def kvstrata_run(llm, workload, clock=time.perf_counter, decoding=throughput.GREEDY):
+        engines.append(llm.engine)
+        seen = []
+        add = llm.engine.add_request
+
+        def recording_add(rid, ids, sp, **kwargs):
+            if rid.startswith("bench-"):  # not the warm-up
+                seen.append(sp)
+            return add(rid, ids, sp, **kwargs)
+
+        llm.engine.add_request = recording_add
+        try:
+            return run(llm, workload, clock, decoding)
+        finally:
+            del llm.engine.add_request
+            engines.append(seen)
+
+    monkeypatch.setattr(throughput, "run_kvstrata", kvstrata_run)
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--workload", "random", "--num-requests", "2", "--temperature", "0.8",
+                 "--top-p", "0.9", "--baseline", "hf", "--hf-modes", "generate", "--no-bound",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["temperature"] == 0.8 and report["top_p"] == 0.9
+    assert "sampled at temperature 0.8, top_p 0.9" in capsys.readouterr().out
+    params = engines[1]
+    assert [(p.temperature, p.top_p, p.seed) for p in params] == [(0.8, 0.9, 0), (0.8, 0.9, 1)]
+    assert report["kvstrata"]["output_tokens"] == sum(p.max_tokens for p in params)  # EOS ignored
+    # the warm-up call is greedy; the timed ones sample as kvstrata does, without HF's default top-k
+    assert hf_calls[-1] == {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 0}
+    assert main(["bench", "throughput", "--workload", "random", "--top-p", "1.5", "--no-bound"]) == 2
+    assert "--top-p" in capsys.readouterr().err
 
 
 def test_plots_are_written_as_png(tmp_path):

@@ -7,7 +7,7 @@ import gc
 import json
 from pathlib import Path
 
-from kvstrata.cluster.argtypes import non_negative_int, positive_int
+from kvstrata.cluster.argtypes import non_negative_float, non_negative_int, positive_int
 from kvstrata.worker.kv_dtypes import KV_DTYPE_NAMES
 from kvstrata.worker.model_source import DEFAULT_MODEL
 
@@ -124,6 +124,10 @@ def _add_throughput(bench_sub) -> None:
     p.add_argument("--speculative-tokens", type=non_negative_int, default=0,
                    help="kvstrata drafts up to this many tokens a step by n-gram lookup in each request's own "
                         "tokens, checked by the model (greedy outputs unchanged); default 0: off")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0,
+                   help="0 (the default): greedy; above 0, every engine samples at it (kvstrata's request i "
+                        "with seed i)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: the nucleus, in (0, 1] (default 1)")
     p.add_argument("--json", type=Path, default=None, help="write the report as one JSON object")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart (needs matplotlib)")
     p.add_argument("--no-bound", action="store_true", help="skip measuring the machine's peaks and the roofline bound")
@@ -141,6 +145,7 @@ def _add_throughput(bench_sub) -> None:
 
 def run_throughput_cmd(args: argparse.Namespace) -> int:
     from kvstrata.cluster.bench.throughput import (
+        Decoding,
         ThroughputReport,
         format_report,
         load_hf_model,
@@ -155,6 +160,10 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     bad = [m for m in modes if m not in ("generate", "generate_batch")]
     if bad:
         raise ValueError(f"--hf-modes: unknown mode(s) {', '.join(bad)}; choose generate, generate_batch")
+    try:
+        decoding = Decoding(args.temperature, args.top_p)
+    except ValueError as e:
+        raise ValueError(f"--top-p: {e}") from None
     if args.ablate_prefix_caching:
         return _run_ablation(args)
     workload = WORKLOADS[args.workload](num_requests=args.num_requests, seed=args.seed)
@@ -166,7 +175,8 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         llm.reset_prefix_cache()  # every round starts cold, so hits come from the workload alone
         # peaks measured just before and just after the run; the bound uses the better of the two
         before = None if args.no_bound else _measure_peaks((args.dtype,), args.quick)
-        report = ThroughputReport(workload.name, run_kvstrata(llm, workload), scheduling=args.scheduling)
+        report = ThroughputReport(workload.name, run_kvstrata(llm, workload, decoding=decoding),
+                                  scheduling=args.scheduling, decoding=decoding)
         if before is not None:
             report.bound = _workload_bound(llm, workload, args.dtype, [before, _measure_peaks((args.dtype,), args.quick)])
         if args.baseline == "hf" and hf is None:
@@ -175,9 +185,10 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
             hf = load_hf_model(args.model, args.dtype)
         if hf is not None:
             if "generate" in modes:
-                report.baselines.append(run_hf_static(hf, workload, batch_size=args.hf_batch_size))
+                report.baselines.append(run_hf_static(hf, workload, batch_size=args.hf_batch_size,
+                                                      decoding=decoding))
             if "generate_batch" in modes:
-                report.baselines.append(run_hf_continuous(hf, workload))
+                report.baselines.append(run_hf_continuous(hf, workload, decoding=decoding))
         print(format_report(report), flush=True)
         reports.append(report)
     summary = summarize_rounds(reports)

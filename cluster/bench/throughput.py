@@ -119,23 +119,58 @@ class Progress:
                 print(file=sys.stderr)
 
 
-def submit_greedy(engine: Any, workload: Workload, prefix: str) -> None:
-    """Every request of `workload`, greedy and ignoring EOS, so each yields exactly its max_tokens."""
+@dataclass(frozen=True)
+class Decoding:
+    """How every request of a run picks its tokens: greedy (temperature 0, the default), or sampled
+    at a temperature with top_p, request i seeded with i so that a run repeats."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
+
+    def describe(self) -> str:
+        if not self.sampled:
+            return "greedy"
+        return f"sampled at temperature {self.temperature:g}" + (f", top_p {self.top_p:g}" if self.top_p < 1 else "")
+
+    def hf_kwargs(self) -> dict[str, Any]:
+        """The same choice for HF `generate`: no top-k (HF's default keeps 50), the same top_p."""
+        if not self.sampled:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+
+
+GREEDY = Decoding()
+
+
+def submit_requests(engine: Any, workload: Workload, prefix: str, decoding: Decoding = GREEDY) -> None:
+    """Every request of `workload`, ignoring EOS so each yields exactly its max_tokens."""
     from kvstrata.worker.sampling_params import SamplingParams
 
     for i, req in enumerate(workload.requests):
-        sp = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
+        sp = SamplingParams(temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=req.max_tokens,
+                            ignore_eos=True, seed=i if decoding.sampled else None)
         engine.add_request(f"{prefix}-{i}", list(req.prompt_token_ids), sp)
 
 
-def run_kvstrata(llm: Any, workload: Workload, clock: Callable[[], float] = time.perf_counter) -> RunResult:
+def run_kvstrata(llm: Any, workload: Workload, clock: Callable[[], float] = time.perf_counter,
+                 decoding: Decoding = GREEDY) -> RunResult:
     engine = llm.engine
     _warm_up_kvstrata(llm)
     queried0, hit0 = engine.kv.num_prompt_tokens_queried, engine.kv.num_prompt_tokens_hit
     drafted0, accepted0 = engine.stats.num_draft_tokens, engine.stats.num_accepted_draft_tokens
     progress = Progress(f"kvstrata {workload.name}", len(workload.requests))
     start = clock()
-    submit_greedy(engine, workload, "bench")
+    submit_requests(engine, workload, "bench", decoding)
     latencies: list[float] = []
     steps: list[tuple[float, int, int]] = []
     output_tokens = 0
@@ -179,7 +214,7 @@ def _warm_up_hf_static(model: Any) -> None:
 
 
 def run_hf_static(model: Any, workload: Workload, batch_size: int = 8,
-                  clock: Callable[[], float] = time.perf_counter) -> RunResult:
+                  clock: Callable[[], float] = time.perf_counter, decoding: Decoding = GREEDY) -> RunResult:
     """`model.generate` over left-padded batches in arrival order."""
     import torch
 
@@ -202,7 +237,7 @@ def run_hf_static(model: Any, workload: Workload, batch_size: int = 8,
         new = max(r.max_tokens for r in batch)
         with torch.no_grad():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=pad)
+                           pad_token_id=pad, **decoding.hf_kwargs())
         done = clock() - start
         latencies += [done] * len(batch)
         output_tokens += sum(r.max_tokens for r in batch)  # only the tokens each request asked for
@@ -211,14 +246,15 @@ def run_hf_static(model: Any, workload: Workload, batch_size: int = 8,
                      output_tokens, latencies)
 
 
-def run_hf_continuous(model: Any, workload: Workload, clock: Callable[[], float] = time.perf_counter) -> RunResult:
+def run_hf_continuous(model: Any, workload: Workload, clock: Callable[[], float] = time.perf_counter,
+                      decoding: Decoding = GREEDY) -> RunResult:
     """transformers' own continuous batching (`generate_batch`), one max_new_tokens for all."""
     from transformers import GenerationConfig
 
     reqs = workload.requests
     new = max(r.max_tokens for r in reqs)
-    cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
+    cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=0,
+                           **decoding.hf_kwargs())
     warm = GenerationConfig(max_new_tokens=_WARMUP_TOKENS, min_new_tokens=_WARMUP_TOKENS, do_sample=False,
                             eos_token_id=None, pad_token_id=0)
     model.generate_batch(inputs=[list(_WARMUP_PROMPT)], generation_config=warm, progress_bar=False)
@@ -262,6 +298,7 @@ class ThroughputReport:
     baselines: list[RunResult] = field(default_factory=list)
     bound: Bound | None = None
     scheduling: str = "fcfs"  # kvstrata's scheduling policy in the run
+    decoding: Decoding = GREEDY
 
     @property
     def bound_ratio(self) -> float | None:
@@ -277,6 +314,8 @@ class ThroughputReport:
         return {
             "workload": self.workload,
             "scheduling": self.scheduling,
+            "temperature": self.decoding.temperature,
+            "top_p": self.decoding.top_p,
             "kvstrata": self.kvstrata.summary(),
             "baselines": [b.summary() for b in self.baselines],
             "best_baseline": best.engine if best else None,
@@ -293,7 +332,7 @@ class ThroughputReport:
 
 def format_report(report: ThroughputReport) -> str:
     rows = [report.kvstrata, *report.baselines]
-    lines = [f"workload: {report.workload}; kvstrata scheduling: {report.scheduling}",
+    lines = [f"workload: {report.workload}; kvstrata scheduling: {report.scheduling}; {report.decoding.describe()}",
              f"{'engine':<24}{'out tok/s':>11}{'total tok/s':>13}{'p50 s':>9}{'p90 s':>9}{'p99 s':>9}{'hit rate':>10}"]
     for r in rows:
         s = r.summary()
@@ -357,7 +396,7 @@ def run_lockstep(llms: list[Any], workload: Workload, clock: Callable[[], float]
     """
     engines = [llm.engine for llm in llms]
     for engine in engines:
-        submit_greedy(engine, workload, "lockstep")
+        submit_requests(engine, workload, "lockstep")
     busy = [0.0] * len(engines)
     tokens = [0] * len(engines)
     turn = 0
