@@ -38,22 +38,55 @@ def test_greedy_picks_argmax():
     assert res.logprobs is None
 
 
-def test_greedy_on_the_logits_device_gives_what_the_host_path_gives():
-    """On a GPU, all-greedy batches pick their tokens (and log-probs) where the logits are and copy
-    only those to the host. The same function on CPU tensors must agree with the host path exactly:
-    tokens, the chosen token's log-prob, and each row's own top-k (rows asking for none, 0, 3, 5)."""
-    from kvstrata.worker.sampler import _greedy_on_device
+def test_picks_on_the_logits_device_give_what_the_host_path_gives():
+    """On a GPU, batches pick their tokens (and log-probs) where the logits are and copy only those
+    to the host. The same function on CPU tensors must agree with the host path exactly: tokens,
+    the chosen token's log-prob, and each row's own top-k (rows asking for none, 0, 3, 5)."""
+    from kvstrata.worker.sampler import _picked_on_device
 
     logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(4))
     asks = [None, 0, 3, 5, None]
     reqs = [_req(i, temperature=0.0, logprobs=k) for i, k in enumerate(asks)]
     host = Sampler(0).sample(logits, reqs)
-    here = _greedy_on_device(logits, [r.params for r in reqs])
+    here = _picked_on_device(logits, logits.argmax(-1), [r.params for r in reqs])
     assert here.token_ids == host.token_ids == logits.argmax(-1).tolist()
     assert here.logprobs == host.logprobs
     assert [len(lp) for lp in here.logprobs] == [0, 1, 3, 5, 0]  # greedy: the chosen token is the top one
-    plain = _greedy_on_device(logits, [_req(i, temperature=0.0).params for i in range(5)])
+    plain = _picked_on_device(logits, logits.argmax(-1), [_req(i, temperature=0.0).params for i in range(5)])
     assert plain.token_ids == host.token_ids and plain.logprobs is None
+    # sampled rows: the host's tokens, their log-probs beside each row's top ones
+    sampled = [_req(i, generator=torch.Generator().manual_seed(i), temperature=1.0, logprobs=k)
+               for i, k in enumerate(asks)]
+    host = Sampler(0).sample(logits, sampled)
+    here = _picked_on_device(logits, torch.tensor(host.token_ids), [r.params for r in sampled])
+    assert here.logprobs == host.logprobs and here.token_ids == host.token_ids
+
+
+def test_the_torch_sampling_path_keeps_to_the_logits_device():
+    """Sampling on a GPU runs `_sample_torch` there; on the meta device any tensor made on the host
+    by mistake fails the call, so this runs without a GPU."""
+    from kvstrata.worker.sampler import _sample_torch
+
+    meta = torch.device("meta")
+    rows = [{"temperature": 0.7}, {"top_k": 5, "top_p": 0.9}, {"min_p": 0.1}, {"temperature": 0.0}]
+    settings = [t.to(meta) for t in _settings(rows, 100)]
+    keys = torch.randint(0, 1 << 53, (4,)).to(meta)
+    out = _sample_torch(torch.empty(4, 100, device=meta), *settings, keys, filters=True, min_ps=True)
+    assert out.device == meta and out.shape == (4,)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_seeded_samples_on_a_gpu_match_the_host():
+    logits = torch.randn(16, 49152, generator=torch.Generator().manual_seed(5)) * 3
+    kinds = [{"temperature": 0.8}, {"temperature": 1.0, "top_p": 0.9}, {"temperature": 0.7, "top_k": 40},
+             {"temperature": 1.0, "min_p": 0.05}]
+
+    def reqs():
+        return [_req(i, generator=torch.Generator().manual_seed(i), **kinds[i % 4]) for i in range(16)]
+
+    host = Sampler(0).sample(logits, reqs()).token_ids
+    gpu = Sampler(0).sample(logits.cuda(), reqs()).token_ids
+    assert gpu == host
 
 
 def test_greedy_row_in_a_random_batch_still_picks_argmax():

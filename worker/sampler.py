@@ -4,10 +4,10 @@ A random row samples by the exponential race: the token with the largest p_i / E
 over its kept probabilities (after temperature, top_k, top_p and min_p), which draws from them
 exactly. The row's noise comes from one 53-bit key: E_i = -ln U_i with U_i a counter-based hash of
 (key, i). On CPU one C pass a row does it (csrc/sample.c), without sorting the vocabulary for
-top_k or top_p; elsewhere, or where a row holds a NaN, torch does the same arithmetic. Rows with a
-seed draw their key from their own generator, one key a row (`draw_key`), so a seeded request's
-samples do not depend on what else is in the batch, and speculative decoding can set the
-generator back by rows. A race moves only where two tokens nearly tie, so the last-bit differences
+top_k or top_p; elsewhere, or where a row holds a NaN, torch does the same arithmetic, on the
+logits' device (on a GPU only the chosen ids cross to the host). Rows with a seed draw their key
+from their own generator, one key a row (`draw_key`), so a seeded request's samples do not depend
+on what else is in the batch, and speculative decoding can set the generator back by rows. A race moves only where two tokens nearly tie, so the last-bit differences
 between a chunk's logits and a decode step's leave a seeded request's tokens as they are.
 """
 
@@ -34,9 +34,10 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """logits: [N, V] float32, one row per request."""
         params = [r.params for r in requests]
-        if logits.device.type != "cpu" and all(p.greedy for p in params):
-            return _greedy_on_device(logits, params)
-        logits = logits.cpu()  # random draws come from CPU generators, so a seed means the same everywhere
+        if logits.device.type != "cpu":
+            greedy = all(p.greedy for p in params)
+            tokens = logits.argmax(dim=-1) if greedy else self._sample_random(logits, requests)
+            return _picked_on_device(logits, tokens, params)
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if all(p.greedy for p in params):
@@ -63,12 +64,17 @@ class Sampler:
         top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params])
         top_p = torch.tensor([p.top_p for p in params])
         min_p = torch.tensor([p.min_p for p in params])
-        kernels = load_cpu_kernels() if logits.dtype == torch.float32 else None
+        on_cpu = logits.device.type == "cpu"
+        kernels = load_cpu_kernels() if on_cpu and logits.dtype == torch.float32 else None
         if kernels is not None:
             out = kernels.sample(logits, temps, top_k, top_p, min_p, keys)
             if out is not None:
                 return out
-        return _sample_torch(logits, temps, top_k, top_p, min_p, keys)
+        # the keys come from CPU generators and the noise from them alone, so a seed means the same anywhere
+        settings = (temps, top_k, top_p, min_p, keys) if on_cpu else (t.to(logits.device) for t in
+                                                                     (temps, top_k, top_p, min_p, keys))
+        return _sample_torch(logits, *settings, filters=bool((top_k > 0).any() or (top_p < 1).any()),
+                             min_ps=bool((min_p > 0).any()))
 
 
 KEY_RANGE = 1 << 53  # a row's noise key: csrc/sample.c mixes its low 32 bits, then the rest
@@ -93,35 +99,37 @@ def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
         x = mul32(x, 0x846CA68B)
         return x ^ (x >> 16)
 
-    idx = torch.arange(vocab, dtype=torch.int64)[None, :]
+    idx = torch.arange(vocab, dtype=torch.int64, device=keys.device)[None, :]
     h = mix32(mix32(mul32(idx, 0x9E3779B9) ^ (keys[:, None] & mask)) ^ (keys[:, None] >> 32))
     u = (h >> 8).float() * 5.9604645e-8 + 2.9802322e-8
     return -torch.log(u)
 
 
 def _sample_torch(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """csrc/sample.c's sampling in torch ops: the race over each row's kept probabilities with the
-    row's noise; rows with temperature 0 take their argmax."""
+                  min_p: torch.Tensor, keys: torch.Tensor, filters: bool | None = None,
+                  min_ps: bool | None = None) -> torch.Tensor:
+    """csrc/sample.c's sampling in torch ops, on the logits' device: the race over each row's kept
+    probabilities with the row's noise; rows with temperature 0 take their argmax. filters / min_ps:
+    whether any row has top_k or top_p / min_p (None: read off the tensors, a sync on a GPU)."""
     vocab = logits.shape[1]
     greedy_rows = temps <= 0
     x = logits.float() / torch.where(greedy_rows, 1.0, temps)[:, None]
     top_k = torch.where(top_k > 0, top_k, vocab)
-    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+    if filters if filters is not None else bool((top_k < vocab).any() or (top_p < 1.0).any()):
         x = _apply_top_k_top_p(x, top_k, top_p)
     probs = torch.softmax(x, dim=-1)
-    if bool((min_p > 0).any()):
+    if min_ps if min_ps is not None else bool((min_p > 0).any()):
         max_p = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < min_p[:, None] * max_p, 0.0)
     sampled = argmax_rows(probs / race_noise(keys, vocab))
     return torch.where(greedy_rows, argmax_rows(logits), sampled)
 
 
-def _greedy_on_device(logits: torch.Tensor, params: list) -> SampleResult:
-    """Greedy rows on the logits' own device: only the chosen ids (and the log-probs asked for) cross to
-    the host. Copying whole rows out cost more than the step itself at large batches: on an H200, a
-    batch of 128 rows of a 128,256-token vocabulary took 38 ms a step to reach pageable host memory."""
-    tokens = logits.argmax(dim=-1)
+def _picked_on_device(logits: torch.Tensor, tokens: torch.Tensor, params: list) -> SampleResult:
+    """Tokens picked on the logits' own device (greedy, or sampled by `_sample_torch` there): only the
+    ids (and the log-probs asked for) cross to the host. Copying whole rows out cost more than the
+    step itself at large batches: on an H200, a batch of 128 rows of a 128,256-token vocabulary took
+    38 ms a step to reach pageable host memory."""
     wanted = [p.logprobs for p in params]
     if all(k is None for k in wanted):
         return SampleResult(tokens.tolist(), None)
@@ -156,7 +164,7 @@ def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
     sorted_x, order = x.sort(dim=-1, descending=True)  # [N, V]
     vocab = x.shape[-1]
-    ranks = torch.arange(vocab)[None, :]
+    ranks = torch.arange(vocab, device=x.device)[None, :]
     remove = ranks >= top_k[:, None]
     probs = torch.softmax(sorted_x.masked_fill(remove, float("-inf")), dim=-1)
     # drop a token when the mass of tokens strictly before it already reaches top_p
