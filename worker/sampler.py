@@ -7,8 +7,9 @@ exactly. The row's noise comes from one 53-bit key: E_i = -ln U_i with U_i a cou
 top_k or top_p; elsewhere, or where a row holds a NaN, torch does the same arithmetic, on the
 logits' device (on a GPU only the chosen ids cross to the host). Rows with a seed draw their key
 from their own generator, one key a row (`draw_key`), so a seeded request's samples do not depend
-on what else is in the batch, and speculative decoding can set the generator back by rows. A race moves only where two tokens nearly tie, so the last-bit differences
-between a chunk's logits and a decode step's leave a seeded request's tokens as they are.
+on what else is in the batch, and speculative decoding can set the generator back by rows. A race
+moves only where two tokens nearly tie, so the last-bit differences between a chunk's logits and a
+decode step's leave a seeded request's tokens as they are.
 """
 
 from __future__ import annotations
