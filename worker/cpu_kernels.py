@@ -114,6 +114,8 @@ class CpuKernels:
         lib.kvs_argmax_f32.restype = ctypes.c_int64
         lib.kvs_sample_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 7
         lib.kvs_sample_f32.restype = ctypes.c_int64
+        lib.kvs_sample_scratch_bytes.argtypes = [ctypes.c_int64]
+        lib.kvs_sample_scratch_bytes.restype = ctypes.c_int64
         self._sample_scratch = threading.local()  # kvs_sample_f32's room, kept between calls, one per thread
         rows = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # x, its stride, slots, tokens
         lib.kvs_int4_write_keys.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + rows + [ctypes.c_void_p,
@@ -426,9 +428,10 @@ class CpuKernels:
         if any(a.shape != (rows,) for a in args):
             raise ValueError(f"sample: every per-row setting needs shape ({rows},)")
         args = [a.contiguous() for a in args]
+        need = self._lib.kvs_sample_scratch_bytes(vocab)  # a row's room per thread, not per row
         scratch = getattr(self._sample_scratch, "room", None)
-        if scratch is None or scratch.numel() < rows * vocab * 12:
-            scratch = self._sample_scratch.room = torch.empty(rows * vocab * 12, dtype=torch.uint8)
+        if scratch is None or scratch.numel() < need:
+            scratch = self._sample_scratch.room = torch.empty(need, dtype=torch.uint8)
         out = torch.empty(rows, dtype=torch.int64)
         if self._lib.kvs_sample_f32(x.data_ptr(), rows, vocab, *(a.data_ptr() for a in args),
                                     scratch.data_ptr(), out.data_ptr()):

@@ -22,6 +22,7 @@
  * run on both cores; each row's numbers depend on that row alone, so a row samples the same in any
  * batch.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -240,16 +241,22 @@ static int64_t race(const float *w, int64_t n, uint64_t key) {
     return at;
 }
 
+/* Bytes of scratch kvs_sample_f32 needs for rows of n tokens: a row's weights and candidates for
+ * each thread the call may run on. */
+int64_t kvs_sample_scratch_bytes(int64_t n) {
+    return (int64_t)omp_get_max_threads() * n * 12;
+}
+
 /* out[r]: row r's sample with noise from key[r]; rows with temperature[r] <= 0 take their first
- * largest value. scratch:
- * rows * n * 12 bytes. Returns the number of rows that hold a NaN (their out is not set). */
+ * largest value. scratch: kvs_sample_scratch_bytes(n). Returns the number of rows that hold a NaN
+ * (their out is not set). */
 int64_t kvs_sample_f32(const float *x, int64_t rows, int64_t n, const float *temperature, const int64_t *top_k,
                        const float *top_p, const float *min_p, const int64_t *key, void *scratch, int64_t *out) {
     int64_t nan_rows = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(+ : nan_rows) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const float *p = x + r * n;
-        float *w = (float *)scratch + r * n * 3;
+        float *w = (float *)scratch + (int64_t)omp_get_thread_num() * n * 3;
         Cand *cand = (Cand *)(w + n);
         int nan;
         float max = row_max(p, n, &nan);
