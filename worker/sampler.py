@@ -72,8 +72,7 @@ class Sampler:
             if out is not None:
                 return out
         # the keys come from CPU generators and the noise from them alone, so a seed means the same anywhere
-        settings = (temps, top_k, top_p, min_p, keys) if on_cpu else (t.to(logits.device) for t in
-                                                                     (temps, top_k, top_p, min_p, keys))
+        settings = [t.to(logits.device) for t in (temps, top_k, top_p, min_p, keys)]  # no copy on the host
         return _sample_torch(logits, *settings, filters=bool((top_k > 0).any() or (top_p < 1).any()),
                              min_ps=bool((min_p > 0).any()))
 
