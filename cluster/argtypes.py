@@ -49,6 +49,17 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def unit_interval(text: str) -> float:
+    """A number in (0, 1], such as top_p."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def kv_dtype_list(text: str) -> tuple[str, ...]:
     """Comma-separated KV cache formats, e.g. auto,int8,int4."""
     from kvstrata.worker.kv_dtypes import KV_DTYPE_NAMES

@@ -292,6 +292,20 @@ def test_cli_runs_end_to_end_and_writes_json_and_plot(fake, tmp_path, capsys):
     assert all(b["model"] == MODEL and b["max_tokens"] == 64 for b in timed)
 
 
+def test_cli_samples_each_request_with_its_own_seed(fake, capsys):
+    fake.script.token_delay_s = 0.001
+    rc = main(["bench", "serve", "--target", fake.url, "--num-requests", "3", "--temperature", "0.8",
+               "--top-p", "0.9"])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    assert "sampled at temperature 0.8, top_p 0.9" in printed.out
+    timed = sorted(fake.script.bodies[1:], key=lambda b: b["seed"])  # the warm-up stays greedy
+    assert fake.script.bodies[0]["temperature"] == 0.0 and "seed" not in fake.script.bodies[0]
+    assert [(b["temperature"], b["top_p"], b["seed"]) for b in timed] == [(0.8, 0.9, i) for i in range(3)]
+    expected = WORKLOADS["shared-prefix"](num_requests=3, seed=0).requests
+    assert [b["prompt"] for b in timed] == [r.prompt_token_ids for r in expected]  # seed i goes with request i
+
+
 def test_plot_draws_failed_requests_too(tmp_path):
     records = [RequestRecord(0, status=200, ttft_s=0.1, e2e_s=0.5, num_output_tokens=5),
                RequestRecord(1, send_s=0.2, status=503, error="HTTP 503: draining")]
@@ -342,6 +356,9 @@ def test_cli_stops_when_every_request_would_fail(fake, capsys):
     (["--workload", "nope"], "--workload"),
     (["--seed", "x"], "--seed"),
     (["--target", "localhost:8000"], "--target"),
+    (["--temperature", "-0.5"], "--temperature"),
+    (["--top-p", "0"], "--top-p"),
+    (["--top-p", "1.5"], "--top-p"),
 ])
 def test_cli_rejects_bad_flags_with_status_2(args, flag, capsys):
     argv = ["bench", "serve", *args] if "--target" in args else ["bench", "serve", "--target", "http://h:1", *args]

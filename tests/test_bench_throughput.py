@@ -148,8 +148,9 @@ def test_bench_throughput_samples_when_asked(tmp_path, capsys, monkeypatch, hf_r
     assert report["kvstrata"]["output_tokens"] == sum(p.max_tokens for p in params)  # EOS ignored
     # the warm-up call is greedy; the timed ones sample as kvstrata does, without HF's default top-k
     assert hf_calls[-1] == {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 0}
-    assert main(["bench", "throughput", "--workload", "random", "--top-p", "1.5", "--no-bound"]) == 2
-    assert "--top-p" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "throughput", "--workload", "random", "--top-p", "1.5", "--no-bound"])
+    assert e.value.code == 2 and "argument --top-p" in capsys.readouterr().err
 
 
 def test_plots_are_written_as_png(tmp_path):

@@ -7,7 +7,7 @@ import gc
 import json
 from pathlib import Path
 
-from kvstrata.cluster.argtypes import non_negative_float, non_negative_int, positive_int
+from kvstrata.cluster.argtypes import non_negative_float, non_negative_int, positive_int, unit_interval
 from kvstrata.worker.kv_dtypes import KV_DTYPE_NAMES
 from kvstrata.worker.model_source import DEFAULT_MODEL
 
@@ -127,7 +127,8 @@ def _add_throughput(bench_sub) -> None:
     p.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="0 (the default): greedy; above 0, every engine samples at it (kvstrata's request i "
                         "with seed i)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: the nucleus, in (0, 1] (default 1)")
+    p.add_argument("--top-p", type=unit_interval, default=1.0,
+                   help="with --temperature: the nucleus, in (0, 1] (default 1)")
     p.add_argument("--json", type=Path, default=None, help="write the report as one JSON object")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart (needs matplotlib)")
     p.add_argument("--no-bound", action="store_true", help="skip measuring the machine's peaks and the roofline bound")
@@ -160,10 +161,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     bad = [m for m in modes if m not in ("generate", "generate_batch")]
     if bad:
         raise ValueError(f"--hf-modes: unknown mode(s) {', '.join(bad)}; choose generate, generate_batch")
-    try:
-        decoding = Decoding(args.temperature, args.top_p)
-    except ValueError as e:
-        raise ValueError(f"--top-p: {e}") from None
+    decoding = Decoding(args.temperature, args.top_p)
     if args.ablate_prefix_caching:
         return _run_ablation(args)
     workload = WORKLOADS[args.workload](num_requests=args.num_requests, seed=args.seed)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvstrata.cluster.argtypes import integer, positive_int, positive_number
+from kvstrata.cluster.argtypes import integer, non_negative_float, positive_int, positive_number, unit_interval
 from kvstrata.cluster.bench.serve import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_TPOT_SLO_MS,
@@ -43,6 +43,8 @@ goes first. See docs/benchmarks.md."""
 def format_report(report: ServeReport) -> str:
     s, c = report.summary(), report.config
     arrivals = "all at once" if math.isinf(c.request_rate) else f"Poisson at {c.request_rate:g} req/s"
+    if c.temperature:
+        arrivals += f"; sampled at temperature {c.temperature:g}" + (f", top_p {c.top_p:g}" if c.top_p < 1 else "")
     if c.max_concurrency:
         arrivals += f", at most {c.max_concurrency} in flight"
     failures = ", ".join(f"{k}: {v}" for k, v in s["failures"].items())
@@ -133,6 +135,10 @@ def add_bench_serve_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                    help="most requests in flight at once (default: no cap)")
     p.add_argument("--seed", type=integer, metavar="N", default=0,
                    help="seeds the workload and the arrival times (default 0)")
+    p.add_argument("--temperature", type=non_negative_float, metavar="T", default=0.0,
+                   help="0 (the default): greedy; above 0, request i is sampled at T with seed i")
+    p.add_argument("--top-p", type=unit_interval, metavar="P", default=1.0,
+                   help="with --temperature: the nucleus, in (0, 1] (default 1)")
     p.add_argument("--model", default=None, help="default: the first model GET /v1/models lists")
     p.add_argument("--api-key", default=os.environ.get("KVSTRATA_API_KEY"), metavar="KEY",
                    help="sent as Authorization: Bearer KEY (default: $KVSTRATA_API_KEY)")
@@ -165,7 +171,7 @@ async def _run(args: argparse.Namespace, workload: Workload) -> ServeReport:
         model = models[0]
     config = ServeConfig(args.target, model, request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                          seed=args.seed, api_key=args.api_key, timeout_s=args.timeout,
-                         slo=Slo(args.ttft_slo_ms, args.tpot_slo_ms))
+                         slo=Slo(args.ttft_slo_ms, args.tpot_slo_ms), temperature=args.temperature, top_p=args.top_p)
     await warm_up(config)
     return await run_serve_bench(config, workload)
 
