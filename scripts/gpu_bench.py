@@ -50,17 +50,21 @@ def build(shape: str, out: Path):
     return model
 
 
-def decode_steps(llm, batch: int, vocab: int, steps: int = 20, profile: bool = False) -> float:
+def decode_steps(llm, batch: int, vocab: int, steps: int = 20, profile: bool = False, sampled: bool = False) -> float:
     """Median ms of an engine step with `batch` sequences all decoding (outputs reach the host each step);
-    with `profile`, torch.profiler's table of those steps is printed too."""
+    with `profile`, torch.profiler's table of those steps is printed too; `sampled`: every sequence
+    samples at temperature 0.7 with top_p 0.9 (seeded), on the device, instead of greedy."""
     from kvstrata import SamplingParams
+
+    decoding = {"temperature": 0.7, "top_p": 0.9} if sampled else {"temperature": 0.0}
 
     engine = llm.engine
     g = torch.Generator().manual_seed(batch)
     ids = [f"d{batch}-{i}" for i in range(batch)]
-    for rid in ids:
+    for i, rid in enumerate(ids):
         engine.add_request(rid, torch.randint(3, vocab, (PROMPT,), generator=g).tolist(),
-                           SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True))
+                           SamplingParams(max_tokens=steps + 64, ignore_eos=True, seed=i if sampled else None,
+                                          **decoding))
     running = engine.scheduler.running
     while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in running):
         engine.step()
@@ -137,9 +141,12 @@ def main() -> None:
             vocab = SHAPES[shape]["vocab_size"]
             profiled = set((args.profile or "").split(","))
             steps = {b: decode_steps(llm, int(b), vocab, profile=b in profiled) for b in args.batches.split(",")}
+            sampled = {b: decode_steps(llm, int(b), vocab, sampled=True) for b in args.batches.split(",")}
             tp = throughput(llm, hf, args.throughput_batch, vocab)
-            report["shapes"][shape] = {"decode_step_ms": steps, "throughput": tp}
+            report["shapes"][shape] = {"decode_step_ms": steps, "sampled_decode_step_ms": sampled, "throughput": tp}
             print(shape, "decode step ms:", {b: round(v, 2) for b, v in steps.items()}, flush=True)
+            print(shape, "sampled (0.7, top_p 0.9) decode step ms:", {b: round(v, 2) for b, v in sampled.items()},
+                  flush=True)
             print(shape, f"batch {tp['batch']}: kvstrata {tp['kvstrata_out_tok_s']:.0f} out tok/s, "
                   f"HF generate {tp['hf_out_tok_s']:.0f}, ratio {tp['ratio']:.2f}x", flush=True)
             del llm, hf
