@@ -274,6 +274,12 @@ def test_bench_speculative_cli_tiny(llm, tmp_path, capsys):
     counting = j["alone"][-1]
     assert counting["output_tokens"] == 24 and counting["accepted_draft_tokens"] > 0
     assert j["median_speedup_alone"] > 0 and "median speedup" in capsys.readouterr().out
+    # each run's median wait for a request's last token: no longer than the run, as long for one alone
+    for r in j["alone"] + [j["batch"]]:
+        for waits, walls in ((r["plain_latency_s"], r["plain_s"]), (r["speculative_latency_s"], r["speculative_s"])):
+            assert len(waits) == len(walls) == 1 and 0 < waits[0] <= walls[0]
+    assert all(r["plain_latency_s"][0] >= 0.9 * r["plain_s"][0] for r in j["alone"])
+    assert j["batch"]["latency_speedup"] > 0
 
 
 def test_bench_speculative_sampled_keeps_seeded_tokens(llm, tmp_path, capsys):

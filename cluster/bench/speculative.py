@@ -13,6 +13,7 @@ HF transformers runs each prompt alone too, with `generate` and with its own n-g
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -53,13 +54,21 @@ class PromptResult:
     draft_tokens: int = 0  # over all rounds
     accepted_draft_tokens: int = 0
     identical: bool = True
+    # each run's median time from the start to a request's last token (the batch's own users' wait)
+    plain_latency_s: list[float] = field(default_factory=list)
+    speculative_latency_s: list[float] = field(default_factory=list)
 
     @property
     def speedup(self) -> float:
         return statistics.median(self.plain_s) / statistics.median(self.speculative_s)
 
+    @property
+    def latency_speedup(self) -> float:
+        return statistics.median(self.plain_latency_s) / statistics.median(self.speculative_latency_s)
+
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "speedup": round(self.speedup, 3)}
+        return {**asdict(self), "speedup": round(self.speedup, 3),
+                "latency_speedup": round(self.latency_speedup, 3) if self.plain_latency_s else None}
 
 
 @dataclass
@@ -139,16 +148,25 @@ def bench_speculative(llm: Any, prompts: list[str], speculative_tokens: int, max
         engine.scheduler.config = spec_config if speculate else plain_config
         llm.reset_prefix_cache()  # both ways compute every prompt
         drafted, accepted = engine.stats.num_draft_tokens, engine.stats.num_accepted_draft_tokens
+        done: dict[str, tuple[float, list[int]]] = {}  # request id: (seconds to its last token, tokens)
+        names = [f"spec-{next(serial)}" for _ in which]
         try:
             t0 = time.perf_counter()
-            outs = llm.generate([ids[i] for i in which], [params[i] for i in which])
+            for name, i in zip(names, which):
+                engine.add_request(name, ids[i], params[i])
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    done[out.request_id] = (time.perf_counter() - t0, out.outputs[0].token_ids)
             (result.speculative_s if speculate else result.plain_s).append(time.perf_counter() - t0)
         finally:
             engine.scheduler.config = plain_config
+        latency = statistics.median(done[name][0] for name in names)
+        (result.speculative_latency_s if speculate else result.plain_latency_s).append(latency)
         result.draft_tokens += engine.stats.num_draft_tokens - drafted
         result.accepted_draft_tokens += engine.stats.num_accepted_draft_tokens - accepted
-        return [o.outputs[0].token_ids for o in outs]
+        return [done[name][1] for name in names]
 
+    serial = itertools.count()
     alone = [PromptResult(p, 0) for p in prompts]
     together = PromptResult(f"all {len(prompts)} prompts at once", 0)
     for r in range(rounds):
@@ -203,8 +221,10 @@ def format_report(report: SpeculativeReport) -> list[str]:
         lines.append(f"{name:<42}{r.output_tokens:>7}{r.output_tokens / statistics.median(r.plain_s):>13.1f}"
                      f"{r.output_tokens / statistics.median(r.speculative_s):>12.1f}{r.speedup:>8.2f}x{acc:>10}"
                      f"{'yes' if r.identical else 'NO':>6}")
+    waits = (f", {report.batch.latency_speedup:.2f}x in its requests' median time to their last token"
+             if report.batch.plain_latency_s else "")
     lines.append(f"median speedup, each prompt alone: {report.median_speedup_alone:.2f}x; "
-                 f"all at once: {report.batch.speedup:.2f}x")
+                 f"all at once: {report.batch.speedup:.2f}x in total time{waits}")
     if report.hf:
         lines += ["HF transformers, each prompt alone: generate, and generate with prompt_lookup_num_tokens="
                   f"{report.speculative_tokens}",
