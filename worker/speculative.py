@@ -107,10 +107,9 @@ def add_drafts(batch: ScheduledBatch, kv: KVCacheManager, config: SchedulerConfi
     candidates = []
     for i in range(batch.num_decodes):
         req = batch.requests[i]
-        p = req.params
         if (req.teacher is None and req.eviction is None and not req.forks
                 and req.num_computed_tokens + 1 == req.num_tokens):
-            candidates.append((p.max_tokens - req.num_output_tokens, i))
+            candidates.append((req.params.max_tokens - req.num_output_tokens, i))
     candidates.sort(key=lambda c: -c[0])
     drafts: dict[Request, list[int]] = {}
     for _, i in candidates:

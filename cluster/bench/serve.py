@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvstrata.cluster.bench.throughput import percentile
+from kvstrata.cluster.bench.throughput import GREEDY, Decoding, percentile
 from kvstrata.cluster.bench.workloads import BenchRequest, Workload
 
 # CPU defaults: a 135M model on a few cores prefills a few hundred tokens in well under a second and
@@ -67,8 +67,7 @@ class ServeConfig:
     api_key: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S  # the whole request, from send to [DONE]
     slo: Slo = Slo()
-    temperature: float = 0.0  # 0: greedy; above 0, request i is sampled with seed i
-    top_p: float = 1.0
+    decoding: Decoding = GREEDY  # sampled: request i with seed i
 
     def __post_init__(self) -> None:
         if not self.request_rate > 0:
@@ -77,16 +76,6 @@ class ServeConfig:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    def sampling(self, index: int) -> dict[str, Any]:
-        """Request `index`'s sampling fields: greedy, or the temperature and top_p with seed index."""
-        if self.temperature == 0:
-            return {"temperature": 0.0}
-        return {"temperature": self.temperature, "top_p": self.top_p, "seed": index}
 
 
 @dataclass(slots=True)
@@ -159,7 +148,8 @@ class ServeReport:
         return {
             "target": c.target, "model": c.model, "workload": self.workload,
             "request_rate": "inf" if math.isinf(c.request_rate) else c.request_rate,
-            "max_concurrency": c.max_concurrency, "seed": c.seed, "temperature": c.temperature, "top_p": c.top_p,
+            "max_concurrency": c.max_concurrency, "seed": c.seed,
+            "temperature": c.decoding.temperature, "top_p": c.decoding.top_p,
             "ttft_slo_ms": c.slo.ttft_ms, "tpot_slo_ms": c.slo.tpot_ms,
             "num_requests": len(self.records), "num_completed": len(done),
             "num_failed": len(self.records) - len(done), "failures": self.failures(),
@@ -238,7 +228,7 @@ async def send_request(client: Any, req: BenchRequest, index: int, model: str, s
                        timeout_s: float, clock: Callable[[], float] = time.perf_counter,
                        sampling: dict[str, Any] | None = None) -> RequestRecord:
     """Stream one completion and time it; every failure ends up in the record, none is raised.
-    sampling: the request's sampling fields (ServeConfig.sampling; default greedy)."""
+    sampling: the request's sampling fields (Decoding.request_fields; default greedy)."""
     import httpx
 
     payload = {"model": model, "prompt": list(req.prompt_token_ids), "max_tokens": req.max_tokens,
@@ -310,7 +300,7 @@ async def run_serve_bench(config: ServeConfig, workload: Workload,
         async def one(i: int) -> RequestRecord:
             await asyncio.sleep(max(0.0, start + arrivals[i] - clock()))
             send = send_request(client, workload.requests[i], i, config.model, start, config.timeout_s, clock,
-                                config.sampling(i))
+                                config.decoding.request_fields(i))
             if gate is None:
                 return await send
             async with gate:  # the request is sent, and timed, once it holds a slot

@@ -28,6 +28,7 @@ from kvstrata.cluster.bench.serve import (
     run_serve_bench,
     warm_up,
 )
+from kvstrata.cluster.bench.throughput import Decoding
 from kvstrata.cluster.bench.workloads import Workload
 
 _DESCRIPTION = """\
@@ -43,8 +44,8 @@ goes first. See docs/benchmarks.md."""
 def format_report(report: ServeReport) -> str:
     s, c = report.summary(), report.config
     arrivals = "all at once" if math.isinf(c.request_rate) else f"Poisson at {c.request_rate:g} req/s"
-    if c.temperature:
-        arrivals += f"; sampled at temperature {c.temperature:g}" + (f", top_p {c.top_p:g}" if c.top_p < 1 else "")
+    if c.decoding.sampled:
+        arrivals += f"; {c.decoding.describe()}"
     if c.max_concurrency:
         arrivals += f", at most {c.max_concurrency} in flight"
     failures = ", ".join(f"{k}: {v}" for k, v in s["failures"].items())
@@ -171,7 +172,7 @@ async def _run(args: argparse.Namespace, workload: Workload) -> ServeReport:
         model = models[0]
     config = ServeConfig(args.target, model, request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                          seed=args.seed, api_key=args.api_key, timeout_s=args.timeout,
-                         slo=Slo(args.ttft_slo_ms, args.tpot_slo_ms), temperature=args.temperature, top_p=args.top_p)
+                         slo=Slo(args.ttft_slo_ms, args.tpot_slo_ms), decoding=Decoding(args.temperature, args.top_p))
     await warm_up(config)
     return await run_serve_bench(config, workload)
 

@@ -142,6 +142,12 @@ class Decoding:
             return "greedy"
         return f"sampled at temperature {self.temperature:g}" + (f", top_p {self.top_p:g}" if self.top_p < 1 else "")
 
+    def request_fields(self, index: int) -> dict[str, Any]:
+        """Request `index`'s sampling fields, as SamplingParams and the OpenAI API both name them."""
+        if not self.sampled:
+            return {"temperature": 0.0}
+        return {"temperature": self.temperature, "top_p": self.top_p, "seed": index}
+
     def hf_kwargs(self) -> dict[str, Any]:
         """The same choice for HF `generate`: no top-k (HF's default keeps 50), the same top_p."""
         if not self.sampled:
@@ -157,8 +163,7 @@ def submit_requests(engine: Any, workload: Workload, prefix: str, decoding: Deco
     from kvstrata.worker.sampling_params import SamplingParams
 
     for i, req in enumerate(workload.requests):
-        sp = SamplingParams(temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=req.max_tokens,
-                            ignore_eos=True, seed=i if decoding.sampled else None)
+        sp = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, **decoding.request_fields(i))
         engine.add_request(f"{prefix}-{i}", list(req.prompt_token_ids), sp)
 
 
