@@ -356,3 +356,41 @@ def test_shapes_the_c_prefill_does_not_take_go_through_torch(d, block):
     got = paged_attention(q, k_cache, v_cache, _prefill_meta(chunks, KERNELS), 0.5)
     torch.testing.assert_close(got, paged_attention(q, k_cache, v_cache, _prefill_meta(chunks, None), 0.5))
 
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("h,h_kv,d", [(9, 3, 64), (8, 2, 128)])
+def test_c_prefill_tiles_of_two_row_vectors_give_each_row_the_same_bits(kv, h, h_kv, d):
+    """A step with tiles enough takes two vectors of rows a tile (csrc/prefill_attention.c); each
+    row's sums run in the same order as in a tile of one, so the output is the same bits."""
+    from kvstrata.worker.kv_format import make_kv_format
+
+    gen = torch.Generator().manual_seed(d + h + len(kv))
+    specs = [(100, 400), (37, 37), (3, 64), (20, 52)]  # long, whole, short, and rows past a pair's end
+    k_cache, v_cache, chunks, q = _prefill_case(h, h_kv, d, 16, specs, gen)
+    meta = _prefill_meta(chunks, KERNELS)
+    if kv == "bfloat16":
+        k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    elif kv == "int8":
+        fmt = make_kv_format(kv, d, 16, torch.float32)
+        codes = torch.zeros((*k_cache.shape[:3], fmt.spec().row_width), dtype=torch.uint8)
+        k_codes, v_codes = codes, codes.clone()
+        slots = torch.arange(k_cache.shape[0] * 16)
+        fmt.write(k_codes, k_cache.flatten(0, 1), slots, key=True)
+        fmt.write(v_codes, v_cache.flatten(0, 1), slots, key=False)
+        k_cache, v_cache, meta.kv_format = k_codes, v_codes, fmt
+    lib = KERNELS._lib
+    outs = []
+    default = lib.kvs_prefill_set_pairs(0)
+    try:
+        for on in (0, 1):
+            lib.kvs_prefill_set_pairs(on)
+            before = lib.kvs_prefill_pair_tiles()
+            outs.append(paged_attention(q, k_cache, v_cache, meta, d ** -0.5))
+            assert meta.prefill_arrays is not None  # the C kernel took it
+            assert (lib.kvs_prefill_pair_tiles() > before) == bool(on)
+    finally:
+        lib.kvs_prefill_set_pairs(default)
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])

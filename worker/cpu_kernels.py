@@ -69,6 +69,10 @@ class CpuKernels:
         lib.kvs_gemm_set_prefetch_rows.restype = None
         lib.kvs_gemm_set_turns.argtypes = [ctypes.c_int]  # float32 tiles in turns on/off (csrc/gemm.c's TURN_K)
         lib.kvs_gemm_set_turns.restype = None
+        lib.kvs_prefill_set_pairs.argtypes = [ctypes.c_int]  # prefill attention tiles in pairs on/off
+        lib.kvs_prefill_set_pairs.restype = ctypes.c_int
+        lib.kvs_prefill_pair_tiles.argtypes = []
+        lib.kvs_prefill_pair_tiles.restype = ctypes.c_int64
         self.prefetch_rows: int | None = None  # set by tune_prefetch (the C default, 6, until then)
         self.turns: bool | None = None  # set by tune_turns (the C default, on with AVX-512, until then)
         lib.kvs_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
