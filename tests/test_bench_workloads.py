@@ -12,6 +12,7 @@ from kvstrata.cluster.bench.workloads import (
     WORKLOADS,
     BenchRequest,
     Workload,
+    long_context,
     multi_turn,
     random_lengths,
     shared_prefix,
@@ -46,6 +47,7 @@ GENERATORS = {
     "multi-turn": lambda seed: multi_turn(seed=seed),
     "random": lambda seed: random_lengths(seed=seed),
     "trace": lambda seed: trace_workload(TINY_TRACE, num_requests=4, seed=seed),
+    "long-context": lambda seed: long_context(num_requests=3, min_input=40, max_input=90, seed=seed),
 }
 
 
@@ -105,6 +107,20 @@ def test_random_lengths_share_no_first_block_and_have_a_long_tail():
     assert 1 <= n_in[0] and n_in[-1] <= 900 and 1 <= min(n_out) and max(n_out) <= 300
     assert 80 <= sum(n_in) / 400 <= 120  # lognormal with the requested mean
     assert n_in[int(0.99 * 400)] > 3 * n_in[200]  # p99 far above the median
+
+
+def test_long_context_prompts_are_long_unrelated_and_within_their_range():
+    w = long_context(num_requests=30, min_input=200, max_input=260, output_len=5, seed=6)
+    lengths = [len(p) for p in ids(w)]
+    assert all(200 <= n <= 260 for n in lengths) and len(set(lengths)) > 10  # drawn, not fixed
+    assert all(r.max_tokens == 5 for r in w.requests)
+    assert w.ideal_prefix_hit_rate(1) == 0.0
+    default = long_context()
+    assert default.num_requests == 4 and all(2048 <= len(p) <= 4096 for p in ids(default))
+    for field, bad in (("min_input", dict(min_input=0)), ("max_input", dict(min_input=20, max_input=10)),
+                       ("output_len", dict(output_len=0)), ("num_requests", dict(num_requests=0))):
+        with pytest.raises(ValueError, match=field):
+            long_context(**bad)
 
 
 def test_trace_workload_equal_hash_ids_give_equal_blocks():
@@ -175,7 +191,7 @@ def test_ideal_prefix_hit_rate_of_the_generators_matches_their_structure():
 
 # -- registry -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["shared-prefix", "multi-turn", "random"])
+@pytest.mark.parametrize("name", ["shared-prefix", "multi-turn", "random", "long-context"])
 def test_registry_builds_the_requested_number_of_requests(name):
     for n in (1, 13, 40):
         w = WORKLOADS[name](num_requests=n, seed=0)
@@ -188,7 +204,7 @@ def test_registry_builds_the_requested_number_of_requests(name):
 def test_registry_trace_reads_the_real_trace(real_trace):
     w = WORKLOADS["trace"](num_requests=10, seed=0)
     assert w == trace_workload(real_trace, num_requests=10, seed=0)
-    assert set(WORKLOADS) == {"shared-prefix", "multi-turn", "random", "trace"}
+    assert set(WORKLOADS) == {"shared-prefix", "multi-turn", "random", "long-context", "trace"}
 
 
 def test_generators_reject_bad_arguments():

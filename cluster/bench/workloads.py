@@ -223,6 +223,24 @@ def random_lengths(num_requests: int = 32, mean_input: int = 128, mean_output: i
     return Workload("random", requests)
 
 
+def long_context(num_requests: int = 4, min_input: int = 2048, max_input: int = 4096, output_len: int = 32,
+                 seed: int = 0, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Workload:
+    """Unrelated long prompts (documents to read, say), each min_input..max_input tokens (uniform),
+    with a short answer. Prefill dominates, and in it attention over thousands of keys: at 4,096
+    tokens the attention scores and sums are close to half of SmolLM2's prompt arithmetic. Each
+    prompt starts with its own token, so nothing is shared."""
+    _check_int("num_requests", num_requests, 1)
+    _check_int("min_input", min_input, 1)
+    _check_int("max_input", max_input, min_input)
+    _check_int("output_len", output_len, 1)
+    _check_vocab(vocab_size)
+    rng = random.Random(seed)
+    heads = _distinct_tokens(rng, num_requests, vocab_size)
+    requests = [BenchRequest([head] + _tokens(rng, rng.randint(min_input, max_input) - 1, vocab_size), output_len)
+                for head in heads]
+    return Workload("long-context", requests)
+
+
 def trace_workload(trace: Sequence[TraceRequest], num_requests: int = 32, scale: int = 32,
                    block_size: int = 16, seed: int = 0, sample: bool = False, max_input: int | None = None,
                    vocab_size: int = DEFAULT_VOCAB_SIZE) -> Workload:
@@ -307,6 +325,10 @@ def _build_random(num_requests: int | None = None, seed: int = 0) -> Workload:
     return random_lengths(seed=seed) if num_requests is None else random_lengths(num_requests, seed=seed)
 
 
+def _build_long_context(num_requests: int | None = None, seed: int = 0) -> Workload:
+    return long_context(seed=seed) if num_requests is None else long_context(num_requests, seed=seed)
+
+
 def _build_trace(num_requests: int | None = None, seed: int = 0) -> Workload:
     n = 32 if num_requests is None else num_requests
     _check_int("num_requests", n, 1)
@@ -319,5 +341,6 @@ WORKLOADS: dict[str, WorkloadBuilder] = {
     "shared-prefix": _build_shared_prefix,
     "multi-turn": _build_multi_turn,
     "random": _build_random,
+    "long-context": _build_long_context,
     "trace": _build_trace,
 }
