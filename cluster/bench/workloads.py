@@ -227,7 +227,7 @@ def long_context(num_requests: int = 4, min_input: int = 2048, max_input: int = 
                  seed: int = 0, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Workload:
     """Unrelated long prompts (documents to read, say), each min_input..max_input tokens (uniform),
     with a short answer. Prefill dominates, and in it attention over thousands of keys: at 4,096
-    tokens the attention scores and sums are close to half of SmolLM2's prompt arithmetic. Each
+    tokens the attention scores and sums are about two fifths of SmolLM2's prompt arithmetic. Each
     prompt starts with its own token, so nothing is shared."""
     _check_int("num_requests", num_requests, 1)
     _check_int("min_input", min_input, 1)
