@@ -357,7 +357,6 @@ def test_shapes_the_c_prefill_does_not_take_go_through_torch(d, block):
     torch.testing.assert_close(got, paged_attention(q, k_cache, v_cache, _prefill_meta(chunks, None), 0.5))
 
 
-
 @pytest.mark.skipif(KERNELS is None, reason="no C compiler")
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("h,h_kv,d", [(9, 3, 64), (8, 2, 128)])

@@ -107,8 +107,9 @@ static inline __attribute__((always_inline)) void from_lanes(const float *lanes,
 
 /* The next chunk's K and V rows, in any row format, pulled into L1 while this chunk computes. Only the
  * first tiles of a KV head ask: the later ones find the rows in L2. On a 2-core Zen 5 EPYC, four
- * chunks of 32 or 64 tokens over 288-400 keys ran 1.05-1.12x faster with it; one 512-token prompt
- * ran 0.95-0.98x with every tile prefetching, even with only the first two. */
+ * chunks of 32 or 64 tokens over 288-400 keys ran 1.06-1.13x faster with it; one 512-token prompt
+ * ran 0.95-0.98x with every tile prefetching, even with only the first two (and 2,048-4,096 keys
+ * 0.94-0.97x with every tile prefetching where the rows pass 256 KB). */
 static inline __attribute__((always_inline)) void prefetch_rows(const void *k_cache, const void *v_cache, int64_t row,
                                                                 int64_t num_kv_heads, int64_t d, const RowFormat *f) {
     int64_t bytes = head_row_bytes(f, d);
@@ -127,7 +128,7 @@ static inline __attribute__((always_inline)) void prefetch_rows(const void *k_ca
  * gets a probability of exactly 0, so a row's sums do not depend on the rows beside it (a tile's
  * last position decides how many keys the chunk computes); key 0 is visible to every row, so each
  * row's maximum is finite from the first chunk on. A chunk that every lane sees whole skips the
- * masks (masked 0): 1.02-1.04x faster over the kernel, the same bits. */
+ * masks (masked 0): 1.02-1.05x faster over the kernel, the same bits. */
 static inline __attribute__((always_inline)) void softmax_chunk(vf *s, vi posv, int64_t key0, int64_t nk, vf *m,
                                                                 vf *l, vf *corr, float *p, const int nv,
                                                                 const int masked) {
