@@ -154,6 +154,16 @@ static inline __attribute__((always_inline)) void softmax_chunk(vf *s, vi posv, 
     *m = mx;
 }
 
+/* softmax_chunk with the masks compiled out where the chunk is open to every lane. */
+static inline __attribute__((always_inline)) void softmax_open_or_masked(vf *s, vi posv, int64_t key0, int64_t nk,
+                                                                         vf *m, vf *l, vf *corr, float *p,
+                                                                         const int nv, int open) {
+    if (open)
+        softmax_chunk(s, posv, key0, nk, m, l, corr, p, nv, 0);
+    else
+        softmax_chunk(s, posv, key0, nk, m, l, corr, p, nv, 1);
+}
+
 /* nv (1 or 2, a constant in each copy) vectors of rows share every key and value they read: with
  * two, each broadcast key or value element feeds two FMAs instead of one. The scores of a chunk are
  * then summed KC / 2 keys at a time (KC accumulators either way), and the value pass takes DC / 2
@@ -218,10 +228,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
                 vf qc = loadv(qt + c * VW);
                 UNROLL for (int j = 0; j < KC; j++) s[j] += qc * kbuf[j * d + c];
             }
-            if (open)
-                softmax_chunk(s, posv[0], key0, nk, &m[0], &l[0], &corr[0], pv, 1, 0);
-            else
-                softmax_chunk(s, posv[0], key0, nk, &m[0], &l[0], &corr[0], pv, 1, 1);
+            softmax_open_or_masked(s, posv[0], key0, nk, &m[0], &l[0], &corr[0], pv, 1, open);
         } else { /* KC / 2 keys at a time against both vectors, through the scores' buffer */
             UNROLL for (int j0 = 0; j0 < KC; j0 += KC / 2) {
                 vf s0[KC / 2], s1[KC / 2];
@@ -242,10 +249,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
             for (int v = 0; v < 2; v++) {
                 vf s[KC];
                 UNROLL for (int j = 0; j < KC; j++) s[j] = loadv(sv + (v * KC + j) * VW);
-                if (open)
-                    softmax_chunk(s, posv[v], key0, nk, &m[v], &l[v], &corr[v], pv + v * VW, 2, 0);
-                else
-                    softmax_chunk(s, posv[v], key0, nk, &m[v], &l[v], &corr[v], pv + v * VW, 2, 1);
+                softmax_open_or_masked(s, posv[v], key0, nk, &m[v], &l[v], &corr[v], pv + v * VW, 2, open);
             }
         }
         for (int64_t c0 = 0; c0 < d; c0 += dc) {
