@@ -69,12 +69,15 @@ class CpuKernels:
         lib.kvs_gemm_set_prefetch_rows.restype = None
         lib.kvs_gemm_set_turns.argtypes = [ctypes.c_int]  # float32 tiles in turns on/off (csrc/gemm.c's TURN_K)
         lib.kvs_gemm_set_turns.restype = None
+        lib.kvs_gemm_set_two_groups.argtypes = [ctypes.c_int]  # one bf16 row, two groups at a time, where built
+        lib.kvs_gemm_set_two_groups.restype = ctypes.c_int
         lib.kvs_prefill_set_pairs.argtypes = [ctypes.c_int]  # prefill attention tiles in pairs on/off
         lib.kvs_prefill_set_pairs.restype = ctypes.c_int
         lib.kvs_prefill_pair_tiles.argtypes = []
         lib.kvs_prefill_pair_tiles.restype = ctypes.c_int64
         self.prefetch_rows: int | None = None  # set by tune_prefetch (the C default, 6, until then)
         self.turns: bool | None = None  # set by tune_turns (the C default, on with AVX-512, until then)
+        self.two_groups: bool | None = None  # set by tune_two_groups (the C default, on where built, until then)
         lib.kvs_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_add_rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_rms_norm_f32.restype = lib.kvs_add_rms_norm_f32.restype = None
@@ -356,6 +359,34 @@ class CpuKernels:
         self._lib.kvs_gemm_set_turns(int(chosen))
         self.turns = chosen
         return chosen
+
+    def tune_two_groups(self, weights: list[PackedWeight], rounds: int = 5) -> bool:
+        """Whether one row against widened bf16 weights (an AVX2 build's bf16 decode step at batch 1)
+        takes two groups at a time with 256-bit unpacks (csrc/gemm.c's gemv_bf16_two_groups) or one
+        in 128-bit halves, chosen once per process by timing a pass over `weights` (a model's bf16
+        projections) at one row both ways, alternating. On a 2-core Zen 3 EPYC two groups read a
+        SmolLM2 step's weights 1.13-1.15x faster from memory and 1.15-1.36x from cache; the halves
+        were written for cores with 128-bit vector units (Zen 1), where two groups are not measured.
+        Builds without the path (AVX-512, or no AVX2) keep it off without timing.
+        KVSTRATA_GEMM_TWO_GROUPS=0 or 1 sets it without timing. Same results either way: each
+        column's sum is the same chain of multiply-adds."""
+        if self.two_groups is not None:
+            return self.two_groups
+        env = os.environ.get("KVSTRATA_GEMM_TWO_GROUPS")
+        if env is not None:
+            if env not in ("0", "1"):
+                raise ValueError(f"KVSTRATA_GEMM_TWO_GROUPS must be 0 or 1, not {env!r}")
+            chosen = env == "1"
+        elif (not self._lib.kvs_gemm_set_two_groups(1) or self.amx or self.bf16_dot or not weights
+              or weights[0].data.dtype != torch.bfloat16):
+            chosen = False
+        else:
+            t = self._time_passes(weights, 1, self._lib.kvs_gemm_set_two_groups, (1, 0), rounds)
+            chosen = t[1] < t[0]
+            log.info("packed bf16 GEMM at 1 row: %.1f ms two groups at a time, %.1f ms one; two groups %s",
+                     t[1] * 1e3, t[0] * 1e3, "on" if chosen else "off")
+        self.two_groups = bool(self._lib.kvs_gemm_set_two_groups(int(chosen)))
+        return self.two_groups
 
     def _time_passes(self, weights: list[PackedWeight], rows: int, set_option, options: tuple[int, int],
                      rounds: int) -> dict[int, float]:
