@@ -707,41 +707,40 @@ def _process_two_groups() -> int:
 
 
 @needs_kernels
-def test_one_bf16_row_two_groups_at_a_time_gives_the_same_bits():
-    """One row against widened bf16 weights, in AVX2 builds, takes two packed groups at a time with
-    256-bit unpacks, the last group alone where their number is odd: on or off, every product is
-    the same bits (each column one chain of multiply-adds), with or without a bias and with a last
-    group short of columns, and matches torch."""
+def test_one_row_two_groups_at_a_time_gives_the_same_bits():
+    """One row against float32 or widened bf16 weights, in AVX2 builds, takes two packed groups at a
+    time (bf16 with 256-bit unpacks), the last group alone where their number is odd: on or off,
+    every product is the same bits (each column one chain of multiply-adds), with or without a bias
+    and with a last group short of columns, and matches torch."""
     if not KERNELS._lib.kvs_gemm_set_two_groups(1):
         pytest.skip("two groups at a time are built only for AVX2 without AVX-512")
-    if KERNELS.amx or KERNELS.bf16_dot:
-        pytest.skip("bf16 weights go to AMX tiles or dot products here, not the widening kernel")
+    dtypes = [torch.float32] + ([] if KERNELS.amx or KERNELS.bf16_dot else [torch.bfloat16])
     gen = torch.Generator().manual_seed(31)
     group = KERNELS.gemm_group
     try:
-        for n in (group, 2 * group, 3 * group, 2 * group + 5, 4 * group - 1, 7):
-            for k in (1, 3, 64, 200):
-                w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
-                bias = torch.randn(n, generator=gen)
-                x = torch.randn(1, k, generator=gen)
-                packed = KERNELS.pack(w)
-                outs = {}
-                for on in (0, 1):
-                    assert KERNELS._lib.kvs_gemm_set_two_groups(on) == on
-                    outs[on] = (KERNELS.gemm(x, packed, None), KERNELS.gemm(x, packed, bias))
-                assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), (n, k)
-                want = F.linear(x, w.float())
-                torch.testing.assert_close(outs[1][0], want, rtol=1e-4, atol=1e-4 * k ** 0.5)
-                torch.testing.assert_close(outs[1][1], want + bias, rtol=1e-4, atol=1e-4 * k ** 0.5)
+        shapes = [(n, k) for n in (group, 2 * group, 3 * group, 2 * group + 5, 4 * group - 1, 7) for k in (1, 3, 64, 200)]
+        for (n, k), dtype in [(shape, dt) for shape in shapes for dt in dtypes]:
+            w = torch.randn(n, k, generator=gen).to(dtype)
+            bias = torch.randn(n, generator=gen)
+            x = torch.randn(1, k, generator=gen)
+            packed = KERNELS.pack(w)
+            outs = {}
+            for on in (0, 1):
+                assert KERNELS._lib.kvs_gemm_set_two_groups(on) == on
+                outs[on] = (KERNELS.gemm(x, packed, None), KERNELS.gemm(x, packed, bias))
+            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), (n, k, dtype)
+            want = F.linear(x, w.float())
+            torch.testing.assert_close(outs[1][0], want, rtol=1e-4, atol=1e-4 * k ** 0.5)
+            torch.testing.assert_close(outs[1][1], want + bias, rtol=1e-4, atol=1e-4 * k ** 0.5)
     finally:
         KERNELS._lib.kvs_gemm_set_two_groups(_process_two_groups())
 
 
 @needs_kernels
 def test_bf16_two_groups_are_tuned_or_set_once_per_process(monkeypatch):
-    """Whether one bf16 row takes two groups at a time is timed once per process, or set by
-    KVSTRATA_GEMM_TWO_GROUPS; a bad value is an error naming the variable, float32 weights keep it
-    off without timing, and a build without the path reports it off whatever was asked."""
+    """Whether one row takes two groups at a time is timed once per process, or set by
+    KVSTRATA_GEMM_TWO_GROUPS; a bad value is an error naming the variable, no weights keep it off
+    without timing, and a build without the path reports it off whatever was asked."""
     from kvstrata.worker.cpu_kernels import CpuKernels
 
     gen = torch.Generator().manual_seed(32)
@@ -760,10 +759,11 @@ def test_bf16_two_groups_are_tuned_or_set_once_per_process(monkeypatch):
         with pytest.raises(ValueError, match="KVSTRATA_GEMM_TWO_GROUPS"):
             CpuKernels(KERNELS._lib).tune_two_groups(bf16)
         monkeypatch.delenv("KVSTRATA_GEMM_TWO_GROUPS")
-        f32 = [KERNELS.pack(torch.randn(200, 96, generator=gen))]
-        assert CpuKernels(KERNELS._lib).tune_two_groups(f32) is False
-        timed = CpuKernels(KERNELS._lib).tune_two_groups(bf16, rounds=1)
-        assert isinstance(timed, bool) and (timed is False or built)
+        assert CpuKernels(KERNELS._lib).tune_two_groups([]) is False
+        f32 = [KERNELS.pack(torch.randn(200, 96, generator=gen)) for _ in range(3)]
+        for weights, path in ((bf16, built), (f32, bool(KERNELS._lib.kvs_gemm_set_two_groups(1)))):
+            timed = CpuKernels(KERNELS._lib).tune_two_groups(weights, rounds=1)
+            assert isinstance(timed, bool) and (timed is False or path)
     finally:
         KERNELS._lib.kvs_gemm_set_two_groups(restore)
 

@@ -361,15 +361,17 @@ class CpuKernels:
         return chosen
 
     def tune_two_groups(self, weights: list[PackedWeight], rounds: int = 5) -> bool:
-        """Whether one row against widened bf16 weights (an AVX2 build's bf16 decode step at batch 1)
-        takes two groups at a time with 256-bit unpacks (csrc/gemm.c's gemv_bf16_two_groups) or one
-        in 128-bit halves, chosen once per process by timing a pass over `weights` (a model's bf16
-        projections) at one row both ways, alternating. On a 2-core Zen 3 EPYC two groups read a
-        SmolLM2 step's weights 1.13-1.15x faster from memory and 1.15-1.36x from cache; the halves
-        were written for cores with 128-bit vector units (Zen 1), where two groups are not measured.
-        Builds without the path (AVX-512, or no AVX2) keep it off without timing.
-        KVSTRATA_GEMM_TWO_GROUPS=0 or 1 sets it without timing. Same results either way: each
-        column's sum is the same chain of multiply-adds."""
+        """Whether one row (a decode step at batch 1) against float32 or widened bf16 weights takes two
+        packed groups at a time in an AVX2 build (csrc/gemm.c's gemv_*_two_groups: six sums a step
+        instead of three; for bf16, 256-bit unpacks instead of 128-bit halves), chosen once per process
+        by timing a pass over `weights` (a model's projections) at one row both ways, alternating. On
+        a 2-core Zen 3 EPYC two groups read a SmolLM2 step's weights from memory 1.13-1.15x faster in
+        bf16 and 1.02-1.19x in float32 (more while the memory is fast), and four layers' from cache
+        1.3-1.5x; the bf16 halves were written for cores with 128-bit vector units (Zen 1), where two
+        groups are not measured. Builds without the path (AVX-512, or no AVX2), and bf16 weights on
+        AMX tiles or dot products, keep it off without timing. KVSTRATA_GEMM_TWO_GROUPS=0 or 1 sets
+        it without timing. Same results either way: each column's sum is the same chain of
+        multiply-adds."""
         if self.two_groups is not None:
             return self.two_groups
         env = os.environ.get("KVSTRATA_GEMM_TWO_GROUPS")
@@ -377,13 +379,13 @@ class CpuKernels:
             if env not in ("0", "1"):
                 raise ValueError(f"KVSTRATA_GEMM_TWO_GROUPS must be 0 or 1, not {env!r}")
             chosen = env == "1"
-        elif (not self._lib.kvs_gemm_set_two_groups(1) or self.amx or self.bf16_dot or not weights
-              or weights[0].data.dtype != torch.bfloat16):
+        elif (not self._lib.kvs_gemm_set_two_groups(1) or not weights
+              or (weights[0].data.dtype == torch.bfloat16 and (self.amx or self.bf16_dot))):
             chosen = False
         else:
             t = self._time_passes(weights, 1, self._lib.kvs_gemm_set_two_groups, (1, 0), rounds)
             chosen = t[1] < t[0]
-            log.info("packed bf16 GEMM at 1 row: %.1f ms two groups at a time, %.1f ms one; two groups %s",
+            log.info("packed GEMM at 1 row: %.1f ms two groups at a time, %.1f ms one; two groups %s",
                      t[1] * 1e3, t[0] * 1e3, "on" if chosen else "off")
         self.two_groups = bool(self._lib.kvs_gemm_set_two_groups(int(chosen)))
         return self.two_groups

@@ -105,8 +105,7 @@ class LlamaModel:
                 kernels.tune_prefetch(panels)
             if dtype == torch.float32:  # and whether 9-32-row products take turns (float32 only)
                 kernels.tune_turns(panels)
-            else:  # and how one row of widened bf16 streams (AVX2 builds)
-                kernels.tune_two_groups(panels)
+            kernels.tune_two_groups(panels)  # and how one row streams (AVX2 builds)
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                     c.rope_scaling, dtype, device)
         self.scale = c.head_dim**-0.5
