@@ -642,6 +642,25 @@ def test_gemm_prefetch_threshold_is_tuned_or_set_and_changes_no_bits(monkeypatch
         KERNELS._lib.kvs_gemm_set_prefetch_rows(KERNELS.prefetch_rows or 6)
 
 
+def _check_switch_env(monkeypatch, env: str, name: str, weights: list, built: bool) -> None:
+    """A timed on/off switch of the packed GEMM (CpuKernels.tune_<name>) set through `env`: 1 turns
+    it on (where the path is built) and 0 off without timing, the choice is kept once made, and any
+    other value is an error naming the variable."""
+    from kvstrata.worker.cpu_kernels import CpuKernels
+
+    for value in ("1", "0"):
+        monkeypatch.setenv(env, value)
+        fresh = CpuKernels(KERNELS._lib)
+        on = value == "1" and built
+        assert getattr(fresh, f"tune_{name}")(weights) is on and getattr(fresh, name) is on
+        monkeypatch.setenv(env, "1" if value == "0" else "0")
+        assert getattr(fresh, f"tune_{name}")(weights) is on  # once chosen, kept
+    monkeypatch.setenv(env, "yes")
+    with pytest.raises(ValueError, match=env):
+        getattr(CpuKernels(KERNELS._lib), f"tune_{name}")(weights)
+    monkeypatch.delenv(env)
+
+
 def _process_turns() -> int:
     """The turns setting this process's kernels run with (tune_turns's choice, else the C default)."""
     return int(KERNELS.gemm_group == 48 if KERNELS.turns is None else KERNELS.turns)
@@ -681,16 +700,7 @@ def test_gemm_turns_are_tuned_or_set_once_per_process(monkeypatch):
     weights = [KERNELS.pack(torch.randn(200, 96, generator=gen)) for _ in range(3)]
     restore = _process_turns()
     try:
-        for value, on in (("1", True), ("0", False)):
-            monkeypatch.setenv("KVSTRATA_GEMM_TURNS", value)
-            fresh = CpuKernels(KERNELS._lib)
-            assert fresh.tune_turns(weights) is on and fresh.turns is on
-            monkeypatch.setenv("KVSTRATA_GEMM_TURNS", "1" if value == "0" else "0")
-            assert fresh.tune_turns(weights) is on  # once chosen, kept
-        monkeypatch.setenv("KVSTRATA_GEMM_TURNS", "yes")
-        with pytest.raises(ValueError, match="KVSTRATA_GEMM_TURNS"):
-            CpuKernels(KERNELS._lib).tune_turns(weights)
-        monkeypatch.delenv("KVSTRATA_GEMM_TURNS")
+        _check_switch_env(monkeypatch, "KVSTRATA_GEMM_TURNS", "turns", weights, built=True)
         assert CpuKernels(KERNELS._lib).tune_turns([]) is False
         bf16 = [KERNELS.pack(torch.randn(200, 96, generator=gen).to(torch.bfloat16))]
         assert CpuKernels(KERNELS._lib).tune_turns(bf16) is False
@@ -748,17 +758,8 @@ def test_bf16_two_groups_are_tuned_or_set_once_per_process(monkeypatch):
     built = bool(KERNELS._lib.kvs_gemm_set_two_groups(1)) and not (KERNELS.amx or KERNELS.bf16_dot)
     restore = _process_two_groups()
     try:
-        for value in ("1", "0"):
-            monkeypatch.setenv("KVSTRATA_GEMM_TWO_GROUPS", value)
-            fresh = CpuKernels(KERNELS._lib)
-            on = value == "1" and bool(KERNELS._lib.kvs_gemm_set_two_groups(1))
-            assert fresh.tune_two_groups(bf16) is on and fresh.two_groups is on
-            monkeypatch.setenv("KVSTRATA_GEMM_TWO_GROUPS", "1" if value == "0" else "0")
-            assert fresh.tune_two_groups(bf16) is on  # once chosen, kept
-        monkeypatch.setenv("KVSTRATA_GEMM_TWO_GROUPS", "2")
-        with pytest.raises(ValueError, match="KVSTRATA_GEMM_TWO_GROUPS"):
-            CpuKernels(KERNELS._lib).tune_two_groups(bf16)
-        monkeypatch.delenv("KVSTRATA_GEMM_TWO_GROUPS")
+        _check_switch_env(monkeypatch, "KVSTRATA_GEMM_TWO_GROUPS", "two_groups", bf16,
+                          built=bool(KERNELS._lib.kvs_gemm_set_two_groups(1)))
         assert CpuKernels(KERNELS._lib).tune_two_groups([]) is False
         f32 = [KERNELS.pack(torch.randn(200, 96, generator=gen)) for _ in range(3)]
         for weights, path in ((bf16, built), (f32, bool(KERNELS._lib.kvs_gemm_set_two_groups(1)))):

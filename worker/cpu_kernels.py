@@ -344,18 +344,9 @@ class CpuKernels:
         timing. Same results either way: the same multiply-adds in the same order."""
         if self.turns is not None:
             return self.turns
-        env = os.environ.get("KVSTRATA_GEMM_TURNS")
-        if env is not None:
-            if env not in ("0", "1"):
-                raise ValueError(f"KVSTRATA_GEMM_TURNS must be 0 or 1, not {env!r}")
-            chosen = env == "1"
-        elif self.gemm_group != 48 or not weights or weights[0].data.dtype != torch.float32:
-            chosen = False
-        else:
-            t = self._time_passes(weights, 16, self._lib.kvs_gemm_set_turns, (1, 0), rounds)
-            chosen = t[1] < t[0]
-            log.info("packed GEMM at 16 rows: %.1f ms in turns, %.1f ms without; turns %s",
-                     t[1] * 1e3, t[0] * 1e3, "on" if chosen else "off")
+        applies = self.gemm_group == 48 and bool(weights) and weights[0].data.dtype == torch.float32
+        chosen = self._timed_switch("KVSTRATA_GEMM_TURNS", applies, weights, 16, self._lib.kvs_gemm_set_turns,
+                                    "in turns", rounds)
         self._lib.kvs_gemm_set_turns(int(chosen))
         self.turns = chosen
         return chosen
@@ -374,21 +365,29 @@ class CpuKernels:
         multiply-adds."""
         if self.two_groups is not None:
             return self.two_groups
-        env = os.environ.get("KVSTRATA_GEMM_TWO_GROUPS")
-        if env is not None:
-            if env not in ("0", "1"):
-                raise ValueError(f"KVSTRATA_GEMM_TWO_GROUPS must be 0 or 1, not {env!r}")
-            chosen = env == "1"
-        elif (not self._lib.kvs_gemm_set_two_groups(1) or not weights
-              or (weights[0].data.dtype == torch.bfloat16 and (self.amx or self.bf16_dot))):
-            chosen = False
-        else:
-            t = self._time_passes(weights, 1, self._lib.kvs_gemm_set_two_groups, (1, 0), rounds)
-            chosen = t[1] < t[0]
-            log.info("packed GEMM at 1 row: %.1f ms two groups at a time, %.1f ms one; two groups %s",
-                     t[1] * 1e3, t[0] * 1e3, "on" if chosen else "off")
+        applies = (bool(self._lib.kvs_gemm_set_two_groups(1)) and bool(weights)
+                   and not (weights[0].data.dtype == torch.bfloat16 and (self.amx or self.bf16_dot)))
+        chosen = self._timed_switch("KVSTRATA_GEMM_TWO_GROUPS", applies, weights, 1,
+                                    self._lib.kvs_gemm_set_two_groups, "two groups at a time", rounds)
         self.two_groups = bool(self._lib.kvs_gemm_set_two_groups(int(chosen)))
         return self.two_groups
+
+    def _timed_switch(self, env: str, applies: bool, weights: list[PackedWeight], rows: int, set_option,
+                      what: str, rounds: int) -> bool:
+        """An on/off choice of the packed GEMM: `env` (0 or 1) where set, else off where it does not
+        apply, else whichever way a pass over `weights` at `rows` rows ran faster (_time_passes)."""
+        value = os.environ.get(env)
+        if value is not None:
+            if value not in ("0", "1"):
+                raise ValueError(f"{env} must be 0 or 1, not {value!r}")
+            return value == "1"
+        if not applies:
+            return False
+        t = self._time_passes(weights, rows, set_option, (1, 0), rounds)
+        chosen = t[1] < t[0]
+        log.info("packed GEMM at %d rows: %.1f ms %s, %.1f ms without; %s", rows, t[1] * 1e3, what, t[0] * 1e3,
+                 "on" if chosen else "off")
+        return chosen
 
     def _time_passes(self, weights: list[PackedWeight], rows: int, set_option, options: tuple[int, int],
                      rounds: int) -> dict[int, float]:
