@@ -747,7 +747,7 @@ def test_one_row_two_groups_at_a_time_gives_the_same_bits():
 
 
 @needs_kernels
-def test_bf16_two_groups_are_tuned_or_set_once_per_process(monkeypatch):
+def test_two_groups_are_tuned_or_set_once_per_process(monkeypatch):
     """Whether one row takes two groups at a time is timed once per process, or set by
     KVSTRATA_GEMM_TWO_GROUPS; a bad value is an error naming the variable, no weights keep it off
     without timing, and a build without the path reports it off whatever was asked."""

@@ -69,7 +69,7 @@ class CpuKernels:
         lib.kvs_gemm_set_prefetch_rows.restype = None
         lib.kvs_gemm_set_turns.argtypes = [ctypes.c_int]  # float32 tiles in turns on/off (csrc/gemm.c's TURN_K)
         lib.kvs_gemm_set_turns.restype = None
-        lib.kvs_gemm_set_two_groups.argtypes = [ctypes.c_int]  # one bf16 row, two groups at a time, where built
+        lib.kvs_gemm_set_two_groups.argtypes = [ctypes.c_int]  # one row, two groups at a time, where built
         lib.kvs_gemm_set_two_groups.restype = ctypes.c_int
         lib.kvs_prefill_set_pairs.argtypes = [ctypes.c_int]  # prefill attention tiles in pairs on/off
         lib.kvs_prefill_set_pairs.restype = ctypes.c_int

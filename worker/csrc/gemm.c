@@ -257,18 +257,7 @@ static inline __attribute__((always_inline)) void gemv_bf16_group(const float *x
 }
 
 #if VW == 8 && defined(__AVX2__) && defined(__FMA__)
-/* gemv_bf16_group for two groups at once with AVX2's 256-bit operations, for cores whose vector
- * units are 256 bits wide: a group's 16 first columns are one load, widened by two unpacks against
- * zero (columns 0-3 and 8-11 in one register, 4-7 and 12-15 in the other, put back in order at the
- * end), the last 8 by one widening load. Two groups give six sums a step, enough to keep the
- * multiply-adds busy through their latency (one group's three would wait on each other). Each
- * column's sum is the same chain of multiply-adds as in gemv_bf16_group, so the bits are the same.
- * On a 2-core Zen 3 EPYC (alternating with the halves, one process): a SmolLM2 step's bf16 weights
- * 1.13-1.15x faster from memory, one layer's from cache 1.15-1.36x, whole batch-1 bf16 decode steps
- * 1.05x (10.30 -> 9.77 ms). The engine times both ways at load (CpuKernels.tune_two_groups).
- * Not inlined: inside gemm's parallel region GCC kept one of the six sums on the stack, a store and
- * a load in its chain every k step (0.72x as fast as one group at a time, weights in cache). */
-/* A group's sums in column order (see above) to y[0 .. NR). */
+/* A group's sums of gemv_bf16_two_groups (below) in column order to y[0 .. NR). */
 static inline __attribute__((always_inline)) void store_unpacked(float *y, __m256 a0, __m256 a1, __m256 a2) {
     _mm_storeu_ps(y, _mm256_castps256_ps128(a0));
     _mm_storeu_ps(y + 4, _mm256_castps256_ps128(a1));
@@ -285,6 +274,17 @@ static __attribute__((noinline)) void store_unpacked_part(float *y, __m256 a0, _
     memcpy(y, out, (size_t)ncols * sizeof(float));
 }
 
+/* gemv_bf16_group for two groups at once with AVX2's 256-bit operations, for cores whose vector
+ * units are 256 bits wide: a group's 16 first columns are one load, widened by two unpacks against
+ * zero (columns 0-3 and 8-11 in one register, 4-7 and 12-15 in the other, put back in order at the
+ * end), the last 8 by one widening load. Two groups give six sums a step, enough to keep the
+ * multiply-adds busy through their latency (one group's three would wait on each other). Each
+ * column's sum is the same chain of multiply-adds as in gemv_bf16_group, so the bits are the same.
+ * On a 2-core Zen 3 EPYC (alternating with the halves, one process): a SmolLM2 step's bf16 weights
+ * 1.13-1.15x faster from memory, one layer's from cache 1.15-1.36x, whole batch-1 bf16 decode steps
+ * 1.05x (10.30 -> 9.77 ms). The engine times both ways at load (CpuKernels.tune_two_groups).
+ * Not inlined: inside gemm's parallel region GCC kept one of the six sums on the stack, a store and
+ * a load in its chain every k step (0.72x as fast as one group at a time, weights in cache). */
 static __attribute__((noinline)) void gemv_bf16_two_groups(const float *x, int64_t k, const uint16_t *wp, int64_t g,
                                                             float *y, int ncols) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, b0 = a0, b1 = a0, b2 = a0;
