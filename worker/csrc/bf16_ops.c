@@ -51,14 +51,14 @@ static inline __attribute__((always_inline)) void norm_row(const uint16_t *h, co
 }
 
 void kvs_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t n, float eps) {
-#pragma omp parallel for schedule(static) if (rows >= 64)
+#pragma omp parallel for schedule(static) if (rows >= SMALL_OPS_ROWS)
     for (int64_t r = 0; r < rows; r++) norm_row(x + r * n, w, out + r * n, n, eps);
 }
 
 /* residual = bf16(residual + x); then, with a weight, out = the norm of the new residual. */
 void kvs_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *w, uint16_t *out, int64_t rows,
                            int64_t n, float eps) {
-#pragma omp parallel for schedule(static) if (rows >= 64)
+#pragma omp parallel for schedule(static) if (rows >= SMALL_OPS_ROWS)
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *h = residual + r * n;
         const uint16_t *xr = x + r * n;
@@ -87,7 +87,7 @@ void kvs_rope_write_kv_bf16(uint16_t *qkv, int64_t tokens, int64_t row, int64_t 
                             int64_t d, const uint16_t *cos, const uint16_t *ssin, uint16_t *k_cache,
                             uint16_t *v_cache, const int64_t *slots) {
     int64_t kv = num_kv_heads * d;
-#pragma omp parallel for schedule(static) if (tokens >= 64)
+#pragma omp parallel for schedule(static) if (tokens >= SMALL_OPS_ROWS)
     for (int64_t t = 0; t < tokens; t++) {
         uint16_t *x = qkv + t * row;
         for (int64_t h = 0; h < num_heads + num_kv_heads; h++) rotate_row(x + h * d, cos + t * d, ssin + t * d, d);
@@ -114,7 +114,7 @@ static inline __attribute__((always_inline)) void store_bf16v(uint16_t *dst, vf 
 
 /* gate_up [T, 2I] (the gate's I columns, then the up projection's) -> act [T, I]. */
 void kvs_silu_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t rows, int64_t inter) {
-#pragma omp parallel for schedule(static) if (rows >= 16)
+#pragma omp parallel for schedule(static) if (rows >= SILU_ROWS)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
         uint16_t *out = act + r * inter;

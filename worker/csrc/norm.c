@@ -22,13 +22,13 @@ static inline __attribute__((always_inline)) void norm_row(const float *h, const
 }
 
 void kvs_rms_norm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps) {
-#pragma omp parallel for schedule(static) if (rows >= 64)
+#pragma omp parallel for schedule(static) if (rows >= SMALL_OPS_ROWS)
     for (int64_t r = 0; r < rows; r++) norm_row(x + r * n, w, out + r * n, n, eps);
 }
 
 void kvs_add_rms_norm_f32(const float *x, float *residual, const float *w, float *out, int64_t rows, int64_t n,
                           float eps) {
-#pragma omp parallel for schedule(static) if (rows >= 64)
+#pragma omp parallel for schedule(static) if (rows >= SMALL_OPS_ROWS)
     for (int64_t r = 0; r < rows; r++) {
         float *h = residual + r * n;
         const float *xr = x + r * n;
@@ -44,7 +44,7 @@ void kvs_add_rms_norm_f32(const float *x, float *residual, const float *w, float
  * two torch ops and a return to Python between a layer's two C calls, 22 us a layer at 8 rows by
  * timers there, against 3 us for this; whole steps gained less (1% at batch 8, 1-3% at 32, Zen 5). */
 void kvs_silu_mul_f32(const float *gate_up, float *act, int64_t rows, int64_t inter) {
-#pragma omp parallel for schedule(static) if (rows >= 16)
+#pragma omp parallel for schedule(static) if (rows >= SILU_ROWS)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * 2 * inter, *u = g + inter;
         float *out = act + r * inter;

@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec.h"
+
 __attribute__((optimize("fp-contract=off"))) static void rotate_row(float *x, const float *cos,
                                                                     const float *ssin, int64_t d) {
     int64_t half = d / 2;
@@ -31,7 +33,7 @@ void kvs_rope_write_kv_f32(float *qkv, int64_t tokens, int64_t row, int64_t num_
                            int64_t d, const float *cos, const float *ssin, float *k_cache, float *v_cache,
                            const int64_t *slots) {
     int64_t kv = num_kv_heads * d;
-#pragma omp parallel for schedule(static) if (tokens >= 64)
+#pragma omp parallel for schedule(static) if (tokens >= SMALL_OPS_ROWS)
     for (int64_t t = 0; t < tokens; t++) {
         float *x = qkv + t * row;
         for (int64_t h = 0; h < num_heads + num_kv_heads; h++) rotate_row(x + h * d, cos + t * d, ssin + t * d, d);
