@@ -164,6 +164,39 @@ def test_kernel_gives_a_sequence_the_same_bits_alone_and_in_a_large_batch(dtype,
 
 @pytest.mark.skipif(KERNELS is None, reason="no C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 6, 12])  # per KV head, per chunk, per sequence
+def test_decode_gives_the_same_bits_with_keys_pulled_ahead_or_not(monkeypatch, dtype, batch):
+    """The value passes' pull of the next chunk's keys (csrc/dense_decode.c) only prefetches: off by
+    default on Intel CPUs, on elsewhere, set by KVSTRATA_DECODE_KEY_AHEAD (0 or 1, else an error
+    naming it) when the kernels load. Outputs are the same bits either way."""
+    from kvstrata.worker.cpu_kernels import CpuKernels
+
+    gen = torch.Generator().manual_seed(batch)
+    h, h_kv, d, block, num_blocks = 9, 3, 64, 16, 128
+    k_cache = (torch.randn(num_blocks, block, h_kv, d, generator=gen) * 3).to(dtype)
+    v_cache = torch.randn(num_blocks, block, h_kv, d, generator=gen).to(dtype)
+    seq_lens = torch.randint(300, 1100, (batch,), generator=gen)  # one to three chunks of 512 each
+    table = torch.randint(0, num_blocks, (batch, 69), generator=gen)  # 69 blocks hold 1,104 tokens
+    q = (torch.randn(batch, h, d, generator=gen) * 3).to(dtype)
+    lib = KERNELS._lib
+    default = lib.kvs_decode_set_key_ahead(-1)
+    try:
+        outs = []
+        for value in ("0", "1"):
+            monkeypatch.setenv("KVSTRATA_DECODE_KEY_AHEAD", value)
+            assert CpuKernels(lib).key_ahead is (value == "1")
+            outs.append(KERNELS.paged_decode(q, k_cache, v_cache, table, seq_lens, d ** -0.5))
+        monkeypatch.setenv("KVSTRATA_DECODE_KEY_AHEAD", "on")
+        with pytest.raises(ValueError, match="KVSTRATA_DECODE_KEY_AHEAD"):
+            CpuKernels(lib)
+    finally:
+        lib.kvs_decode_set_key_ahead(default)
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("h,h_kv,d,block,max_len", [
     (9, 3, 64, 16, 1300),  # SmolLM2's heads: chunks of 512 tokens, the last one partial
     (64, 8, 64, 16, 400),  # many heads: chunks of 128 tokens, 8 queries per KV head

@@ -71,6 +71,16 @@ class CpuKernels:
         lib.kvs_gemm_set_turns.restype = None
         lib.kvs_gemm_set_two_groups.argtypes = [ctypes.c_int]  # one row, two groups at a time, where built
         lib.kvs_gemm_set_two_groups.restype = ctypes.c_int
+        # decode attention's value passes pull the next chunk's keys ahead (csrc/dense_decode.c): on
+        # by default except on Intel CPUs; KVSTRATA_DECODE_KEY_AHEAD=0 or 1 sets it
+        lib.kvs_decode_set_key_ahead.argtypes = [ctypes.c_int]
+        lib.kvs_decode_set_key_ahead.restype = ctypes.c_int
+        ahead = os.environ.get("KVSTRATA_DECODE_KEY_AHEAD")
+        if ahead is not None and ahead not in ("0", "1"):
+            raise ValueError(f"KVSTRATA_DECODE_KEY_AHEAD must be 0 or 1, not {ahead!r}")
+        if ahead is not None:
+            lib.kvs_decode_set_key_ahead(int(ahead))
+        self.key_ahead = bool(lib.kvs_decode_set_key_ahead(-1))  # -1 leaves it, returning it
         lib.kvs_prefill_set_pairs.argtypes = [ctypes.c_int]  # prefill attention tiles in pairs on/off
         lib.kvs_prefill_set_pairs.restype = ctypes.c_int
         lib.kvs_prefill_pair_tiles.argtypes = []

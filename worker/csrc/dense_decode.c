@@ -255,6 +255,22 @@ typedef struct {
     int64_t off, block_bytes;
 } KeyAhead;
 
+/* Whether value passes pull keys ahead: -1 until the first call decides (on, except on Intel CPUs),
+ * or as set. On a 2-core Xeon (AMX, AVX-512; one process, kernels alternating, K/V from memory) the
+ * pulls were 45% of the kernel's samples, stalled on the prefetches themselves, and without them
+ * bf16 attention at 4-32 sequences of 262 tokens ran 1.07-1.12x faster, fp32 1.02-1.06x (one
+ * sequence 0.98x); the block's own prefetches are kept there (without those, 0.78-0.86x). */
+static int key_ahead = -1;
+int kvs_decode_set_key_ahead(int on) { /* tests and benchmarks; returns the setting before, or the default */
+    if (key_ahead < 0) {
+        __builtin_cpu_init();
+        key_ahead = !__builtin_cpu_is("intel");
+    }
+    int was = key_ahead;
+    if (on >= 0) key_ahead = on != 0;
+    return was;
+}
+
 static inline void ahead_init(KeyAhead *a, const void *k_cache, const int64_t *table, int64_t ctx, int64_t c,
                               int64_t per_chunk, int64_t bs, int64_t row_bytes) {
     int64_t num_blocks = (ctx + bs - 1) / bs, ib0 = c * per_chunk;
@@ -336,7 +352,7 @@ static inline __attribute__((always_inline)) void decode_chunks(
         KeyAhead ahead;
         if (c + 1 < c1) ahead_init(&ahead, k_cache, table, ctx, c + 1, per_chunk, bs, row_bytes);
         else ahead_init(&ahead, k_cache, nx_table, nx_ctx, nx_c, per_chunk, bs, row_bytes);
-        int64_t ahead_bytes = ahead.table ? (ahead.ib1 - ahead.ib) * ahead.block_bytes : 0;
+        int64_t ahead_bytes = key_ahead && ahead.table ? (ahead.ib1 - ahead.ib) * ahead.block_bytes : 0;
         ahead_bytes = ahead_bytes < AHEAD_MAX ? ahead_bytes : AHEAD_MAX;
         int64_t share = (ahead_bytes + (ib1 - ib0) * heads - 1) / ((ib1 - ib0) * heads);
         share = (share + 63) / 64 * 64;
@@ -414,6 +430,7 @@ void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, con
                       int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width, float scale,
                       const RowFormat *f, int by_sequence) {
     int64_t ct = chunk_tokens(num_heads, bs), pf = partial_floats(num_heads, d);
+    kvs_decode_set_key_ahead(-1); /* decided before the threads read it */
     int64_t *first = malloc((size_t)(batch + 1) * sizeof *first); /* sequence b's chunks: first[b] .. first[b + 1] */
     first[0] = 0;
     for (int64_t b = 0; b < batch; b++) first[b + 1] = first[b] + (seq_lens[b] + ct - 1) / ct;
