@@ -819,6 +819,34 @@ def test_bf16_weights_pack_in_pairs_for_the_dot_products_where_the_cpu_has_them(
     assert torch.equal(KERNELS.gemm(noisy, packed, None), got)
 
 
+@pytest.mark.parametrize("backend", ["auto", "packed", "onednn", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_in_float32_hold_the_products_values_bit_for_bit(backend, dtype):
+    """to_float (the LM head's path) gives the product's values in float32: on AMX tiles the kernel
+    writes the bf16-rounded sums as float32 itself, elsewhere the product is widened afterwards.
+    Either way the bits equal `linear(...).float()`, at a decode step's rows and a prompt's, with a
+    last column pair cut short (n = 1000) and a bias."""
+    if backend in ("auto", "packed") and KERNELS is None:
+        pytest.skip("no C compiler")
+    try:
+        linear = select_linear(torch.device("cpu"), dtype, backend)
+    except ValueError:
+        pytest.skip(f"no {backend} backend here")
+    gen = torch.Generator().manual_seed(5)
+    n, k = 1000, 576
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    bias = torch.randn(n, generator=gen)
+    prepared = linear.prepare(w)
+    for m in (1, 8, 33, 80):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        for b in (None, bias.to(dtype)):
+            got = linear.to_float(x, prepared, b)
+            assert got.dtype == torch.float32 and got.shape == (m, n)
+            assert torch.equal(got, linear(x, prepared, b).float()), (m, b is None)
+            if dtype == torch.bfloat16:  # values of bf16: nothing below its last bit
+                assert torch.equal(got, got.bfloat16().float())
+
+
 @needs_kernels
 def test_bf16_products_of_a_few_rows_ignore_what_earlier_calls_left_behind():
     """A decode step's x is padded to whole tiles in a buffer kept from call to call (on AMX tiles,

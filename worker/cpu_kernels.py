@@ -291,8 +291,10 @@ class CpuKernels:
         self._lib.kvs_pack(w.data_ptr(), out.data_ptr(), n, k, w.element_size())
         return PackedWeight(out, n, k)
 
-    def gemm(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        """x: [M, K] @ packed [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
+    def gemm(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None,
+             to_float: bool = False) -> torch.Tensor:
+        """x: [M, K] @ packed [N, K]^T (+ bias [N]) -> [M, N] in x's dtype; with to_float, in float32
+        holding those values (what `.float()` of the result gives; on AMX tiles written so at once)."""
         m, k = x.shape
         if k != weight.k:
             raise ValueError(f"x has {k} columns but the weight expects {weight.k}")
@@ -301,22 +303,28 @@ class CpuKernels:
         bias_ptr = None if bf is None else bf.data_ptr()
         if (self.amx or self.bf16_dot) and weight.data.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
             # bf16 rows go to the tiles or the dot products as they are, not widened; the tiles also
-            # round y to bf16 themselves
+            # round y to bf16 themselves (and for to_float leave those values in float32)
             xb = x.contiguous()
-            y = torch.empty((m, weight.n), dtype=torch.bfloat16 if self.amx else torch.float32)
-            if m and self.amx:
-                self._lib.kvs_amx_gemm(xb.data_ptr(), 1, weight.data.data_ptr(), bias_ptr, y.data_ptr(), 1, m,
-                                       weight.n, k)
-            elif m:
+            if self.amx:
+                y = torch.empty((m, weight.n), dtype=torch.float32 if to_float else torch.bfloat16)
+                if m:
+                    self._lib.kvs_amx_gemm(xb.data_ptr(), 1, weight.data.data_ptr(), bias_ptr, y.data_ptr(),
+                                           2 if to_float else 1, m, weight.n, k)
+                return y
+            y = torch.empty((m, weight.n), dtype=torch.float32)
+            if m:
                 self._lib.kvs_gemm_bf16x(xb.data_ptr(), k, weight.data.data_ptr(), bias_ptr, y.data_ptr(), m,
                                          weight.n, k)
-            return y.to(torch.bfloat16)
+            y = y.to(torch.bfloat16)
+            return y.float() if to_float else y
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         y = torch.empty((m, weight.n), dtype=torch.float32)
         if m:
             fn = self._lib.kvs_gemm_bf16 if weight.data.dtype == torch.bfloat16 else self._lib.kvs_gemm_f32
             fn(xf.data_ptr(), weight.data.data_ptr(), bias_ptr, y.data_ptr(), m, weight.n, k)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y.float() if to_float else y
 
 
     def tune_prefetch(self, weights: list[PackedWeight], rounds: int = 5) -> int:

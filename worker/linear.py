@@ -34,6 +34,10 @@ class TorchLinear:
     def __call__(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
+    def to_float(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        """The product in float32, holding the values of x's dtype that __call__ gives (logits)."""
+        return self(x, weight, bias).float()
+
 
 def padded_rows(m: int) -> int:
     """m rounded up to a bucket: a multiple of max(8, 2^floor(log2 m) / 8), so at most 1/8 is padding
@@ -105,6 +109,9 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
         return self.kernels.gemm(x, weight, bias)
 
+    def to_float(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.kernels.gemm(x, weight, bias, to_float=True)
+
 
 class HybridLinear:
     """bf16: packed panels for a few rows (streaming the weights), oneDNN beyond, whose bf16 dot-product
@@ -130,6 +137,11 @@ class HybridLinear:
         if x.shape[0] <= self.max_packed_rows:
             return self.packed(x, weight[0], bias)
         return self.onednn(x, weight[1], bias)
+
+    def to_float(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] <= self.max_packed_rows:
+            return self.packed.to_float(x, weight[0], bias)
+        return self.onednn.to_float(x, weight[1], bias)
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:

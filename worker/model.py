@@ -218,4 +218,4 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows that are sampled) -> logits [N, V] in float32."""
         x = self._rms_norm(hidden, self.norm)
-        return self.linear(x, self.lm_head, None).float()
+        return self.linear.to_float(x, self.lm_head, None)
