@@ -256,15 +256,19 @@ typedef struct {
 } KeyAhead;
 
 /* Whether value passes pull keys ahead: -1 until the first call decides (on, except on Intel CPUs),
- * or as set. On a 2-core Xeon (AMX, AVX-512; one process, kernels alternating, K/V from memory) the
+ * or as set (CpuKernels sets it from KVSTRATA_DECODE_KEY_AHEAD). On a 2-core Xeon (AMX, AVX-512; one process, kernels alternating, K/V from memory) the
  * pulls were 45% of the kernel's samples, stalled on the prefetches themselves, and without them
  * bf16 attention at 4-32 sequences of 262 tokens ran 1.07-1.12x faster, fp32 1.02-1.06x (one
  * sequence 0.98x); the block's own prefetches are kept there (without those, 0.78-0.86x). */
 static int key_ahead = -1;
-int kvs_decode_set_key_ahead(int on) { /* tests and benchmarks; returns the setting before, or the default */
+int kvs_decode_set_key_ahead(int on) { /* on < 0 leaves it; returns the setting before */
     if (key_ahead < 0) {
+#if defined(__x86_64__) || defined(__i386__)
         __builtin_cpu_init();
         key_ahead = !__builtin_cpu_is("intel");
+#else
+        key_ahead = 1;
+#endif
     }
     int was = key_ahead;
     if (on >= 0) key_ahead = on != 0;

@@ -170,8 +170,8 @@ static inline __attribute__((always_inline)) vf transpose_sumv(const vf *p) {
 /* Rows from which a layer's small row-wise passes (RMSNorm, RoPE with the K/V write, the SiLU gate;
  * float32 and bf16) run on every thread rather than the calling one. On a 2-core Xeon (AMX, AVX-512)
  * one of SmolLM2's bf16 layers at 32 rows spent about 110 us in them alone, the other core waiting:
- * split, a norm at 32 rows took 8 us instead of 13 and RoPE 12 instead of 21; below 8 rows the
- * norms and RoPE came out even or slower, the gate (a division and an exp a value) gained from 4. */
+ * split, a norm at 32 rows took 8 us instead of 13 and RoPE 12 instead of 21; at 4 rows float32's
+ * norm and RoPE came out slower, while the gate (a division and an exp a value) gained from 4. */
 #define SMALL_OPS_ROWS 8
 #define SILU_ROWS 4
 
