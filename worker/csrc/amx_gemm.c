@@ -37,14 +37,20 @@
 #endif
 
 #define TK 32 /* k steps per tile */
-/* Weights are prefetched into L2 this far ahead of the tile loads (two k blocks of a column pair),
- * running on into the thread's next pair. A tile load is 16 lines at once, and with the hardware
- * prefetcher alone too few lines were in flight whenever the memory was busy: on a 2-core Xeon
- * (Emerald Rapids, AMX), a SmolLM2 step's bf16 products at 1-32 rows ran 1.1-1.35x faster with
- * it (15-17 -> 18-23 GB/s), and within 1% of the same when the memory was quiet; 2, 6, 8 and
- * 16 KB ahead were within a few percent of 4 KB, into L1 no better; decode steps at batch 1, 8
- * and 32 ran 1.17-1.28x faster. */
-#define AHEAD_BYTES 4096
+/* Weights are prefetched into L2 this far ahead of the tile loads (three k blocks of a column pair),
+ * running on into the thread's next pair, one line in PF_STRIDE bytes. A tile load is 16 lines at
+ * once, and with the hardware prefetcher alone too few lines were in flight whenever the memory was
+ * busy: on a 2-core Xeon (Emerald Rapids, AMX), a SmolLM2 step's bf16 products at 1-32 rows ran
+ * 1.1-1.35x faster with every line prefetched 4 KB ahead (15-17 -> 18-23 GB/s), and within 1% of the
+ * same when the memory was quiet; decode steps at batch 1, 8 and 32 ran 1.17-1.28x faster. On a
+ * 2-core Xeon of the 480 MB-L3 class, once the A tiles stopped loading x's padding rows, one line
+ * in four 6 KB ahead (the hardware prefetcher fetching the rest of each run) streamed a step's
+ * products 1.11-1.15x faster than every line 4 KB ahead at 1-8 rows, 1.04x at 32 and 64, 1.01x at
+ * 24: each software prefetch holds one of the core's few L1 miss buffers until its line arrives,
+ * and 32 of them a k block had kept the buffers full (none at all: 1.06-1.08x at 1-8 rows, 0.95x
+ * at 32; one in two 1.03-1.05x; one in eight or sixteen as one in four at 1-16 rows). */
+#define AHEAD_BYTES 6144
+#define PF_STRIDE 256
 /* y's forms (kvs_amx_gemm's y_bf16) */
 enum { Y_F32 = 0, Y_BF16 = 1, Y_BF16_IN_F32 = 2 };
 #define X_BUF_KEEP ((size_t)1 << 21) /* bf16 elements of x a thread keeps between calls (4 MB) */
@@ -111,7 +117,7 @@ static inline __attribute__((always_inline)) void pair_block(const uint16_t *xp,
     for (int64_t kb = 0; kb < kb_count; kb++) {
         if (r0 == 0) { /* the first block streams the pair's weights; later blocks find them in L2 */
             const char *pf = (const char *)(wj + kb * 1024) + AHEAD_BYTES;
-            for (int b = 0; b < 2048; b += 64) __builtin_prefetch(pf + b, 0, 2);
+            for (int b = 0; b < 2048; b += PF_STRIDE) __builtin_prefetch(pf + b, 0, 2);
         }
         _tile_loadd(2, wj + kb * 1024, 64);
         _tile_loadd(3, wj + kb * 1024 + 512, 64);
