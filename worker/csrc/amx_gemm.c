@@ -45,8 +45,8 @@
  * same when the memory was quiet; decode steps at batch 1, 8 and 32 ran 1.17-1.28x faster. On a
  * 2-core Xeon of the 480 MB-L3 class, once the A tiles stopped loading x's padding rows, one line
  * in four 6 KB ahead (the hardware prefetcher fetching the rest of each run) streamed a step's
- * products 1.11-1.15x faster than every line 4 KB ahead at 1-8 rows, 1.04x at 32 and 64, 1.01x at
- * 24: each software prefetch holds one of the core's few L1 miss buffers until its line arrives,
+ * products 1.10-1.15x faster than every line 4 KB ahead at 1-8 rows, 1.04-1.06x at 32 and 64, 1.01x
+ * at 24: each software prefetch holds one of the core's few L1 miss buffers until its line arrives,
  * and 32 of them a k block had kept the buffers full (none at all: 1.06-1.08x at 1-8 rows, 0.95x
  * at 32; one in two 1.03-1.05x; one in eight or sixteen as one in four at 1-16 rows). */
 #define AHEAD_BYTES 6144
