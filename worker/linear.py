@@ -134,14 +134,18 @@ class HybridLinear:
         return list(zip(self.packed.prepare_all(weights), self.onednn.prepare_all(weights)))
 
     def __call__(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] <= self.max_packed_rows:
-            return self.packed(x, weight[0], bias)
-        return self.onednn(x, weight[1], bias)
+        backend, w = self._route(x, weight)
+        return backend(x, w, bias)
 
     def to_float(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        backend, w = self._route(x, weight)
+        return backend.to_float(x, w, bias)
+
+    def _route(self, x: torch.Tensor, weight: Any) -> tuple[PackedLinear | OneDNNLinear, Any]:
+        """The backend for x's row count, and the weight in its layout."""
         if x.shape[0] <= self.max_packed_rows:
-            return self.packed.to_float(x, weight[0], bias)
-        return self.onednn.to_float(x, weight[1], bias)
+            return self.packed, weight[0]
+        return self.onednn, weight[1]
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -256,10 +256,11 @@ typedef struct {
 } KeyAhead;
 
 /* Whether value passes pull keys ahead: -1 until the first call decides (on, except on Intel CPUs),
- * or as set (CpuKernels sets it from KVSTRATA_DECODE_KEY_AHEAD). On a 2-core Xeon (AMX, AVX-512; one process, kernels alternating, K/V from memory) the
- * pulls were 45% of the kernel's samples, stalled on the prefetches themselves, and without them
- * bf16 attention at 4-32 sequences of 262 tokens ran 1.07-1.12x faster, fp32 1.02-1.06x (one
- * sequence 0.98x); the block's own prefetches are kept there (without those, 0.78-0.86x). */
+ * or as set (CpuKernels sets it from KVSTRATA_DECODE_KEY_AHEAD). On a 2-core Xeon (AMX, AVX-512;
+ * one process, kernels alternating, K/V from memory) the pulls were 45% of the kernel's samples,
+ * stalled on the prefetches themselves, and without them bf16 attention at 4-32 sequences of 262
+ * tokens ran 1.06-1.12x faster, fp32 1.02-1.06x (one sequence 0.98x); the block's own prefetches
+ * are kept there (without those, 0.78-0.86x). */
 static int key_ahead = -1;
 int kvs_decode_set_key_ahead(int on) { /* on < 0 leaves it; returns the setting before */
     if (key_ahead < 0) {
