@@ -399,9 +399,10 @@ class CpuKernels:
         over `weights` (a bf16 model's projections on AMX tiles) at one row both ways, alternating. On
         a 2-core Xeon of the 480 MB-L3 class one line in four read a scratch copy of a step's weights
         1.06-1.30x faster at 1-8 rows, but the engine's own weights 1.04-1.07x slower in the same
-        hour; an Emerald Rapids VM had needed every line while its memory was busy: the host decides. Without AMX tiles or bf16 weights it stays off
-        without timing; KVSTRATA_AMX_SPARSE_PREFETCH=0 or 1 sets it without timing. Same results
-        either way: prefetches change when bytes arrive, not the sums."""
+        hour; an Emerald Rapids VM had needed every line while its memory was busy: the host decides.
+        Without AMX tiles or bf16 weights it stays off without timing; KVSTRATA_AMX_SPARSE_PREFETCH=0
+        or 1 sets it without timing. Same results either way: prefetches change when bytes arrive,
+        not the sums."""
         if self.sparse_prefetch is not None:
             return self.sparse_prefetch
         applies = self.amx and bool(weights) and weights[0].data.dtype == torch.bfloat16
