@@ -769,57 +769,6 @@ def test_two_groups_are_tuned_or_set_once_per_process(monkeypatch):
         KERNELS._lib.kvs_gemm_set_two_groups(restore)
 
 
-def _process_sparse_prefetch() -> int:
-    """The AMX prefetch setting this process runs with (tune_sparse_prefetch's choice, else the C
-    default: every line)."""
-    return int(KERNELS._lib.kvs_amx_set_sparse_prefetch(-1) if KERNELS.sparse_prefetch is None
-               else KERNELS.sparse_prefetch)
-
-
-@needs_kernels
-def test_amx_products_give_the_same_bits_prefetching_one_line_in_four_or_every_line():
-    """The AMX kernel's weight prefetch (one line in four, or every line) only moves when bytes
-    arrive: a decode step's rows and a prompt's give the same bits either way."""
-    if not KERNELS.amx:
-        pytest.skip("no AMX tiles here")
-    gen = torch.Generator().manual_seed(33)
-    w = KERNELS.pack(torch.randn(1000, 600, generator=gen).to(torch.bfloat16))
-    bias = torch.randn(1000, generator=gen)
-    try:
-        for m in (1, 8, 20, 64):
-            x = torch.randn(m, 600, generator=gen).to(torch.bfloat16)
-            outs = []
-            for on in (0, 1):
-                KERNELS._lib.kvs_amx_set_sparse_prefetch(on)
-                assert KERNELS._lib.kvs_amx_set_sparse_prefetch(-1) == on
-                outs.append(KERNELS.gemm(x, w, bias))
-            assert torch.equal(outs[0], outs[1]), m
-    finally:
-        KERNELS._lib.kvs_amx_set_sparse_prefetch(_process_sparse_prefetch())
-
-
-@needs_kernels
-def test_sparse_prefetch_is_tuned_or_set_once_per_process(monkeypatch):
-    """Whether the AMX kernel prefetches one line in four is timed once per process where a bf16
-    model runs on AMX tiles, or set by KVSTRATA_AMX_SPARSE_PREFETCH; a bad value is an error naming
-    the variable, and no weights, float32 weights or a CPU without tiles keep it off untimed."""
-    from kvstrata.worker.cpu_kernels import CpuKernels
-
-    gen = torch.Generator().manual_seed(34)
-    bf16 = [KERNELS.pack(torch.randn(200, 96, generator=gen).to(torch.bfloat16)) for _ in range(3)]
-    restore = _process_sparse_prefetch()
-    try:
-        _check_switch_env(monkeypatch, "KVSTRATA_AMX_SPARSE_PREFETCH", "sparse_prefetch", bf16, built=True)
-        assert CpuKernels(KERNELS._lib).tune_sparse_prefetch([]) is False
-        f32 = [KERNELS.pack(torch.randn(200, 96, generator=gen))]
-        assert CpuKernels(KERNELS._lib).tune_sparse_prefetch(f32) is False
-        timed = CpuKernels(KERNELS._lib).tune_sparse_prefetch(bf16, rounds=1)
-        assert isinstance(timed, bool) and (timed is False or KERNELS.amx)
-        assert KERNELS._lib.kvs_amx_set_sparse_prefetch(-1) == int(timed)
-    finally:
-        KERNELS._lib.kvs_amx_set_sparse_prefetch(restore)
-
-
 @needs_kernels
 def test_bf16_products_on_the_widening_kernel_where_tiles_and_dot_products_are_switched_off(tmp_path):
     """KVSTRATA_AMX=0 and KVSTRATA_BF16_DOT=0 keep bf16 weights in the widening kernel's layout even

@@ -81,8 +81,6 @@ class CpuKernels:
         if ahead is not None:
             lib.kvs_decode_set_key_ahead(int(ahead))
         self.key_ahead = bool(lib.kvs_decode_set_key_ahead(-1))  # -1 leaves it, returning it
-        lib.kvs_amx_set_sparse_prefetch.argtypes = [ctypes.c_int]  # AMX weights one line in four / every line
-        lib.kvs_amx_set_sparse_prefetch.restype = ctypes.c_int
         lib.kvs_prefill_set_pairs.argtypes = [ctypes.c_int]  # prefill attention tiles in pairs on/off
         lib.kvs_prefill_set_pairs.restype = ctypes.c_int
         lib.kvs_prefill_pair_tiles.argtypes = []
@@ -90,7 +88,6 @@ class CpuKernels:
         self.prefetch_rows: int | None = None  # set by tune_prefetch (the C default, 6, until then)
         self.turns: bool | None = None  # set by tune_turns (the C default, on with AVX-512, until then)
         self.two_groups: bool | None = None  # set by tune_two_groups (the C default, on where built, until then)
-        self.sparse_prefetch: bool | None = None  # set by tune_sparse_prefetch (the C default, off, until then)
         lib.kvs_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_add_rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_rms_norm_f32.restype = lib.kvs_add_rms_norm_f32.restype = None
@@ -392,25 +389,6 @@ class CpuKernels:
                                     self._lib.kvs_gemm_set_two_groups, "two groups at a time", rounds)
         self.two_groups = bool(self._lib.kvs_gemm_set_two_groups(int(chosen)))
         return self.two_groups
-
-    def tune_sparse_prefetch(self, weights: list[PackedWeight], rounds: int = 5) -> bool:
-        """Whether the AMX kernel prefetches its weights one line in four, the hardware prefetcher
-        fetching the rest (csrc/amx_gemm.c), or every line, chosen once per process by timing a pass
-        over `weights` (a bf16 model's projections on AMX tiles) at one row both ways, alternating. On
-        a 2-core Xeon of the 480 MB-L3 class one line in four read a scratch copy of a step's weights
-        1.06-1.30x faster at 1-8 rows, but the engine's own weights 1.04-1.07x slower in the same
-        hour; an Emerald Rapids VM had needed every line while its memory was busy: the host decides.
-        Without AMX tiles or bf16 weights it stays off without timing; KVSTRATA_AMX_SPARSE_PREFETCH=0
-        or 1 sets it without timing. Same results either way: prefetches change when bytes arrive,
-        not the sums."""
-        if self.sparse_prefetch is not None:
-            return self.sparse_prefetch
-        applies = self.amx and bool(weights) and weights[0].data.dtype == torch.bfloat16
-        chosen = self._timed_switch("KVSTRATA_AMX_SPARSE_PREFETCH", applies, weights, 1,
-                                    self._lib.kvs_amx_set_sparse_prefetch, "one weight line in four", rounds)
-        self._lib.kvs_amx_set_sparse_prefetch(int(chosen))
-        self.sparse_prefetch = chosen
-        return chosen
 
     def _timed_switch(self, env: str, applies: bool, weights: list[PackedWeight], rows: int, set_option,
                       what: str, rounds: int) -> bool:

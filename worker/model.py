@@ -106,8 +106,6 @@ class LlamaModel:
             if dtype == torch.float32:  # and whether 9-32-row products take turns (float32 only)
                 kernels.tune_turns(panels)
             kernels.tune_two_groups(panels)  # and how one row streams (AVX2 builds)
-            if dtype == torch.bfloat16 and kernels.amx:  # and how the AMX tiles' weights are prefetched
-                kernels.tune_sparse_prefetch(panels)
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                     c.rope_scaling, dtype, device)
         self.scale = c.head_dim**-0.5

@@ -37,30 +37,16 @@
 #endif
 
 #define TK 32 /* k steps per tile */
-/* Weights are prefetched into L2 ahead of the tile loads, running on into the thread's next pair:
- * every line 4 KB ahead (two k blocks of a column pair), or one line in four 6 KB ahead, the
- * hardware prefetcher fetching the rest. A tile load is 16 lines at once, and with the hardware
+/* Weights are prefetched into L2 this far ahead of the tile loads (two k blocks of a column pair),
+ * running on into the thread's next pair. A tile load is 16 lines at once, and with the hardware
  * prefetcher alone too few lines were in flight whenever the memory was busy: on a 2-core Xeon
  * (Emerald Rapids, AMX), a SmolLM2 step's bf16 products at 1-32 rows ran 1.1-1.35x faster with
- * every line prefetched (15-17 -> 18-23 GB/s), and within 1% of the same when the memory was
- * quiet; decode steps at batch 1, 8 and 32 ran 1.17-1.28x faster. On a 2-core Xeon of the 480
- * MB-L3 class each software prefetch held one of the core's few L1 miss buffers until its line
- * arrived, and in a scratch pass over a step's weights (caches flushed) one line in four ran
- * 1.06-1.30x faster at 1-8 rows; yet over the engine's own weights, and in its decode steps, every
- * line ran 1.04-1.07x faster in the same hour. So the engine times both over the model's weights
- * when a bf16 model loads (CpuKernels.tune_sparse_prefetch); every line until then. */
+ * it (15-17 -> 18-23 GB/s), and within 1% of the same when the memory was quiet; 2, 6, 8 and
+ * 16 KB ahead were within a few percent of 4 KB, into L1 no better; decode steps at batch 1, 8
+ * and 32 ran 1.17-1.28x faster. One line in four (the hardware prefetcher fetching the rest) ran
+ * even with it on a Xeon of the 480 MB-L3 class, toggled in one build, and 1.04-1.10x slower inside
+ * the engine's decode steps. */
 #define AHEAD_BYTES 4096
-#define SPARSE_AHEAD_BYTES 6144
-#define SPARSE_STRIDE 256
-static int pf_stride = 64, pf_ahead = AHEAD_BYTES;
-int kvs_amx_set_sparse_prefetch(int on) { /* on < 0 leaves it; returns the setting before */
-    int was = pf_stride != 64;
-    if (on >= 0) {
-        pf_stride = on ? SPARSE_STRIDE : 64;
-        pf_ahead = on ? SPARSE_AHEAD_BYTES : AHEAD_BYTES;
-    }
-    return was;
-}
 /* y's forms (kvs_amx_gemm's y_bf16) */
 enum { Y_F32 = 0, Y_BF16 = 1, Y_BF16_IN_F32 = 2 };
 #define X_BUF_KEEP ((size_t)1 << 21) /* bf16 elements of x a thread keeps between calls (4 MB) */
@@ -126,8 +112,8 @@ static inline __attribute__((always_inline)) void pair_block(const uint16_t *xp,
     const uint16_t *a = xp + r0 * ldx;
     for (int64_t kb = 0; kb < kb_count; kb++) {
         if (r0 == 0) { /* the first block streams the pair's weights; later blocks find them in L2 */
-            const char *pf = (const char *)(wj + kb * 1024) + pf_ahead;
-            for (int b = 0; b < 2048; b += pf_stride) __builtin_prefetch(pf + b, 0, 2);
+            const char *pf = (const char *)(wj + kb * 1024) + AHEAD_BYTES;
+            for (int b = 0; b < 2048; b += 64) __builtin_prefetch(pf + b, 0, 2);
         }
         _tile_loadd(2, wj + kb * 1024, 64);
         _tile_loadd(3, wj + kb * 1024 + 512, 64);
@@ -221,8 +207,8 @@ void kvs_amx_gemm(const void *x, int x_bf16, const uint16_t *wp, const float *bi
         if (blocks == 1) {
             /* A and C tiles of only the rows there are (a decode step's few): every A tile had loaded
              * 16 rows of x, 16 lines a k block beside the weights' 32, padding included. Each row's
-             * sums are its own, so the bits stay; on a 2-core Xeon with AMX a step's products from
-             * memory ran 1.02-1.03x faster at 1-12 rows (weights 21.6-22.3 -> 22.2-22.9 GB/s) */
+             * sums are its own, so the bits stay. On a 2-core Xeon with AMX, toggled in one engine,
+             * bf16 decode steps ran 0.99-1.01x: the tiles' reads of x were not what waited there */
             uint8_t r0 = (uint8_t)(m < 16 ? m : 16), r1 = (uint8_t)(m > 16 ? m - 16 : 1);
             cfg.rows[0] = cfg.rows[4] = cfg.rows[5] = r0;
             cfg.rows[1] = cfg.rows[6] = cfg.rows[7] = r1;
