@@ -27,6 +27,15 @@ from kvstrata.worker.kernel_build import build, find_compiler
 
 log = logging.getLogger(__name__)
 
+
+def _switch_env(name: str) -> bool | None:
+    """An on/off environment variable: None where unset, else 0 or 1 (anything else is an error naming it)."""
+    value = os.environ.get(name)
+    if value is not None and value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, not {value!r}")
+    return None if value is None else value == "1"
+
+
 class CpuKernels:
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
@@ -75,9 +84,7 @@ class CpuKernels:
         # by default except on Intel CPUs; KVSTRATA_DECODE_KEY_AHEAD=0 or 1 sets it
         lib.kvs_decode_set_key_ahead.argtypes = [ctypes.c_int]
         lib.kvs_decode_set_key_ahead.restype = ctypes.c_int
-        ahead = os.environ.get("KVSTRATA_DECODE_KEY_AHEAD")
-        if ahead is not None and ahead not in ("0", "1"):
-            raise ValueError(f"KVSTRATA_DECODE_KEY_AHEAD must be 0 or 1, not {ahead!r}")
+        ahead = _switch_env("KVSTRATA_DECODE_KEY_AHEAD")
         if ahead is not None:
             lib.kvs_decode_set_key_ahead(int(ahead))
         self.key_ahead = bool(lib.kvs_decode_set_key_ahead(-1))  # -1 leaves it, returning it
@@ -394,11 +401,9 @@ class CpuKernels:
                       what: str, rounds: int) -> bool:
         """An on/off choice of the packed GEMM: `env` (0 or 1) where set, else off where it does not
         apply, else whichever way a pass over `weights` at `rows` rows ran faster (_time_passes)."""
-        value = os.environ.get(env)
+        value = _switch_env(env)
         if value is not None:
-            if value not in ("0", "1"):
-                raise ValueError(f"{env} must be 0 or 1, not {value!r}")
-            return value == "1"
+            return value
         if not applies:
             return False
         t = self._time_passes(weights, rows, set_option, (1, 0), rounds)
