@@ -814,6 +814,11 @@ def test_bf16_weights_pack_in_pairs_for_the_dot_products_where_the_cpu_has_them(
     ref = x.double() @ w.double().T
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
     assert torch.equal(KERNELS.gemm(x, packed, None), got.bfloat16())
+    # bf16 out is rounded by the kernel's threads, the bias added before: as float32 sums rounded after
+    bias = torch.randn(n, generator=gen)
+    with_bias = KERNELS.gemm(x.float(), packed, bias)
+    assert torch.equal(KERNELS.gemm(x, packed, bias), with_bias.bfloat16())
+    assert torch.equal(KERNELS.gemm(x, packed, bias, to_float=True), with_bias.bfloat16().float())
     # float32 x is rounded to bf16 first: the products of x and of its rounding are the same
     noisy = x.float() + torch.rand(m, k, generator=gen) * x.float().abs() * 2.0 ** -10
     assert torch.equal(KERNELS.gemm(noisy, packed, None), got)

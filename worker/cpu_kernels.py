@@ -66,7 +66,7 @@ class CpuKernels:
         # (csrc/gemm.c); likewise chosen before anything is packed
         lib.kvs_bf16_dot_enable.argtypes = [ctypes.c_int]
         lib.kvs_bf16_dot_enable.restype = ctypes.c_int
-        lib.kvs_gemm_bf16x.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
+        lib.kvs_gemm_bf16x.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
                                        + [ctypes.c_int64] * 3)
         lib.kvs_gemm_bf16x.restype = None
         self.bf16_dot = (not self.amx and os.environ.get("KVSTRATA_BF16_DOT", "1") != "0"
@@ -301,7 +301,8 @@ class CpuKernels:
     def gemm(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None,
              to_float: bool = False) -> torch.Tensor:
         """x: [M, K] @ packed [N, K]^T (+ bias [N]) -> [M, N] in x's dtype; with to_float, in float32
-        holding those values (what `.float()` of the result gives; on AMX tiles written so at once)."""
+        holding those values (what `.float()` of the result gives; AMX tiles and bf16 dot products write
+        them so at once)."""
         m, k = x.shape
         if k != weight.k:
             raise ValueError(f"x has {k} columns but the weight expects {weight.k}")
@@ -309,21 +310,19 @@ class CpuKernels:
         bf = None if bias is None else bias.float().contiguous()
         bias_ptr = None if bf is None else bf.data_ptr()
         if (self.amx or self.bf16_dot) and weight.data.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
-            # bf16 rows go to the tiles or the dot products as they are, not widened; the tiles also
-            # round y to bf16 themselves (and for to_float leave those values in float32)
+            # bf16 rows go to the tiles or the dot products as they are, not widened, and the kernel
+            # rounds y to bf16 itself (for to_float leaving those values in float32): form 1 or 2
             xb = x.contiguous()
-            if self.amx:
-                y = torch.empty((m, weight.n), dtype=torch.float32 if to_float else torch.bfloat16)
-                if m:
-                    self._lib.kvs_amx_gemm(xb.data_ptr(), 1, weight.data.data_ptr(), bias_ptr, y.data_ptr(),
-                                           2 if to_float else 1, m, weight.n, k)
-                return y
-            y = torch.empty((m, weight.n), dtype=torch.float32)
+            y = torch.empty((m, weight.n), dtype=torch.float32 if to_float else torch.bfloat16)
             if m:
-                self._lib.kvs_gemm_bf16x(xb.data_ptr(), k, weight.data.data_ptr(), bias_ptr, y.data_ptr(), m,
-                                         weight.n, k)
-            y = y.to(torch.bfloat16)
-            return y.float() if to_float else y
+                form = 2 if to_float else 1
+                if self.amx:
+                    self._lib.kvs_amx_gemm(xb.data_ptr(), 1, weight.data.data_ptr(), bias_ptr, y.data_ptr(), form, m,
+                                           weight.n, k)
+                else:
+                    self._lib.kvs_gemm_bf16x(xb.data_ptr(), k, weight.data.data_ptr(), bias_ptr, y.data_ptr(), form,
+                                             m, weight.n, k)
+            return y
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         y = torch.empty((m, weight.n), dtype=torch.float32)
         if m:

@@ -26,15 +26,6 @@ static inline float from_bf16(uint16_t h) {
     return f;
 }
 
-/* Round to nearest, ties to even, as torch converts; NaN stays a (quiet) NaN. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 static inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
 
 static inline __attribute__((always_inline)) void norm_row(const uint16_t *h, const uint16_t *w, uint16_t *out,

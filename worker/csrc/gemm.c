@@ -453,6 +453,37 @@ static const float *widened_group(const uint16_t *wp, int64_t g, int64_t k) {
 static int turns_on = VW == 16;
 void kvs_gemm_set_turns(int on) { turns_on = on; } /* tests and benchmarks */
 
+/* What y holds (as in csrc/amx_gemm.c): float32 sums, or those sums (plus the bias) rounded to bf16,
+ * stored as bf16 or as the float32 values they are. */
+enum { Y_F32 = 0, Y_BF16 = 1, Y_BF16_IN_F32 = 2 };
+
+/* count sums src (plus bias, where given, added in float32 as the Y_F32 form adds it) into y from
+ * element `at` on, rounded to bf16 in `form` (Y_BF16 or Y_BF16_IN_F32). */
+static inline __attribute__((always_inline)) void emit(const float *src, const float *bias, void *y, int form,
+                                                       int64_t at, int64_t count) {
+    uint16_t *half = (uint16_t *)y + at;
+    float *full = (float *)y + at;
+#pragma omp simd
+    for (int64_t c = 0; c < count; c++) {
+        uint16_t h = to_bf16(bias ? src[c] + bias[c] : src[c]);
+        if (form == Y_BF16) {
+            half[c] = h;
+        } else {
+            uint32_t u = (uint32_t)h << 16;
+            memcpy(full + c, &u, sizeof u);
+        }
+    }
+}
+
+/* Rows r0 .. r1 - 1 of one group's columns c0 .. c0 + ncols - 1 from a block's sums (NR floats a
+ * row) into y [m, n]: written while the sums are in L1, by the thread that made them, instead of
+ * in a pass over a float32 y on one thread afterwards. */
+static inline __attribute__((always_inline)) void emit_rows(const float *sums, const float *bias, void *y, int form,
+                                                            int64_t r0, int64_t r1, int64_t n, int64_t c0, int ncols) {
+    for (int64_t i = r0; i < r1; i++)
+        emit(sums + (i - r0) * NR, bias ? bias + c0 : NULL, y, form, i * n + c0, ncols);
+}
+
 /* The (block, group) tasks, block-major, taken by the threads in runs of consecutive tasks as each
  * thread comes free, each run half of what is left over the threads (OpenMP's guided schedule):
  * long runs first, so that a thread streams a long stretch of the weights and its tiles' prefetch
@@ -470,9 +501,10 @@ void kvs_gemm_set_turns(int on) { turns_on = on; } /* tests and benchmarks */
  * busy loop, 0.95-1.27x), and whole decode steps at batch 1, 8 and 32 1.0-1.05x in fp32 and
  * 0.99-1.09x in bf16 (two engines in lockstep, both load orders). Which thread computes a tile
  * does not change its sums, so the bits do not change either. */
-static inline __attribute__((always_inline)) void tasks(const void *x, const void *wp, const float *bias, float *y,
-                                                        int64_t m, int64_t n, int64_t k, int mode) {
+static inline __attribute__((always_inline)) void tasks(const void *x, const void *wp, const float *bias, void *y,
+                                                        int64_t m, int64_t n, int64_t k, int mode, int form) {
     int64_t groups = (n + NR - 1) / NR, all = (m + MB - 1) / MB * groups;
+    float sums[MB * NR] __attribute__((aligned(64))); /* a block's sums against one group, for forms other than Y_F32 */
 #pragma omp for schedule(guided) nowait
     for (int64_t task = 0; task < all; task++) {
         int64_t b = task / groups, g = task % groups;
@@ -489,6 +521,9 @@ static inline __attribute__((always_inline)) void tasks(const void *x, const voi
         int ahead = m >= prefetch_min_rows;
         const char *next = g + 1 < groups && ahead && tiles > 1 ? (const char *)wp + (g + 1) * k * NR * elem : NULL;
         const float *wide = mode == 1 && tiles >= WIDE_MIN_TILES ? widened_group(wp, g, k) : NULL;
+        /* where the tiles leave their float32 sums: y itself, or the block's own buffer */
+        int64_t ldt = form == Y_F32 ? n : NR;
+        float *ty = form == Y_F32 ? (float *)y + b * MB * n + g * NR : sums;
         if (mode == 0 && tiles >= 2 && tiles <= TURN_TILES && ncols == NR && ahead && turns_on) {
             /* tile t of a turn prefetches its share of the weights TURN_AHEAD turns on (into the next
              * group at the end: a thread's run of groups is contiguous) */
@@ -496,7 +531,7 @@ static inline __attribute__((always_inline)) void tasks(const void *x, const voi
             const char *group = (const char *)wp + g * k * NR * 4;
             for (int64_t k0 = 0; k0 < k; k0 += TURN_K)
                 for (int64_t m0 = b * MB, t = 0; m0 < m_end; m0 += MR, t++)
-                    tile_turn((const float *)x + m0 * k, k, wp, g, y + m0 * n + g * NR, n,
+                    tile_turn((const float *)x + m0 * k, k, wp, g, ty + (m0 - b * MB) * ldt, ldt,
                               m_end - m0 < MR ? m_end - m0 : MR, k0, k0 + TURN_K < k ? k0 + TURN_K : k,
                               group + (k0 + TURN_AHEAD * TURN_K) * NR * 4 + (t * TURN_K - k0) * step, step);
         } else {
@@ -505,14 +540,16 @@ static inline __attribute__((always_inline)) void tasks(const void *x, const voi
                 const char *rows = (const char *)x + m0 * k * (mode == 2 ? 2 : 4); /* pairs: 2 bytes a k step */
                 const char *share = next ? next + t * k * next_step : NULL;
                 if (wide)
-                    tile(rows, k, wide, 0, y + m0 * n + g * NR, n, mr, ncols, 0, ahead, share, next_step);
+                    tile(rows, k, wide, 0, ty + (m0 - b * MB) * ldt, ldt, mr, ncols, 0, ahead, share, next_step);
                 else
-                    tile(rows, k, wp, g, y + m0 * n + g * NR, n, mr, ncols, mode, ahead, share, next_step);
+                    tile(rows, k, wp, g, ty + (m0 - b * MB) * ldt, ldt, mr, ncols, mode, ahead, share, next_step);
             }
         }
-        if (bias)
+        if (form != Y_F32)
+            emit_rows(sums, bias, y, form, b * MB, m_end, n, g * NR, ncols);
+        else if (bias)
             for (int64_t i = b * MB; i < m_end; i++)
-                for (int64_t c = g * NR; c < g * NR + ncols; c++) y[i * n + c] += bias[c];
+                for (int64_t c = g * NR; c < g * NR + ncols; c++) ((float *)y)[i * n + c] += bias[c];
     }
 }
 
@@ -524,8 +561,9 @@ int kvs_gemm_set_two_groups(int on) {
     return two_groups_on;
 }
 
-static inline __attribute__((always_inline)) void gemm(const void *x, const void *wp, const float *bias, float *y,
-                                                       int64_t m, int64_t n, int64_t k, int mode) {
+static inline __attribute__((always_inline)) void gemm(const void *x, const void *wp, const float *bias, void *yv,
+                                                       int64_t m, int64_t n, int64_t k, int mode, int form) {
+    float *y = yv; /* float32 sums, the form of every call but the bf16 dot products' */
     int64_t groups = (n + NR - 1) / NR;
     if (m == 1 && (mode == 1 || (mode == 0 && two_groups_on))) { /* one row streams on its own path */
         int64_t step = two_groups_on ? 2 : 1;
@@ -553,16 +591,16 @@ static inline __attribute__((always_inline)) void gemm(const void *x, const void
         /* a literal mode in each call: the parallel region is outlined into a function of its own,
          * where a mode read from the captured variables stayed a test inside the k loop */
         if (mode == 0)
-            tasks(x, wp, bias, y, m, n, k, 0);
+            tasks(x, wp, bias, y, m, n, k, 0, Y_F32);
         else if (mode == 1)
-            tasks(x, wp, bias, y, m, n, k, 1);
+            tasks(x, wp, bias, y, m, n, k, 1, Y_F32);
         else
-            tasks(x, wp, bias, y, m, n, k, 2);
+            tasks(x, wp, bias, yv, m, n, k, 2, form);
     }
 }
 
 void kvs_gemm_f32(const float *x, const float *wp, const float *bias, float *y, int64_t m, int64_t n, int64_t k) {
-    gemm(x, wp, bias, y, m, n, k, 0);
+    gemm(x, wp, bias, y, m, n, k, 0, Y_F32);
 }
 
 int kvs_amx_active(void);
@@ -610,26 +648,32 @@ void kvs_gemm_bf16(const float *x, const uint16_t *wp, const float *bias, float 
         kvs_amx_gemm(x, 0, wp, bias, y, 0, m, n, k);
     } else if (dot_on) {
         uint16_t *p = pairs_of(x, 1, k, m, k);
-        gemm(p, wp, bias, y, m, n, even(k), 2);
+        gemm(p, wp, bias, y, m, n, even(k), 2, Y_F32);
         free(p);
     } else {
-        gemm(x, wp, bias, y, m, n, k, 1);
+        gemm(x, wp, bias, y, m, n, k, 1, Y_F32);
     }
 }
 
-/* bf16 weights and bf16 x [m, k] (row stride ldx), float32 y: the rows go to the dot products as they
- * are; otherwise they are widened for kvs_gemm_bf16 (callers on AMX tiles call kvs_amx_gemm). */
-void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const float *bias, float *y, int64_t m,
-                    int64_t n, int64_t k) {
+/* bf16 weights and bf16 x [m, k] (row stride ldx), y [m, n] in `form` (Y_F32, Y_BF16 or
+ * Y_BF16_IN_F32): on the dot products the rows go as they are, and each thread writes its own sums
+ * in the form; otherwise they are widened for kvs_gemm_bf16 and the sums rounded after it (callers
+ * on AMX tiles call kvs_amx_gemm). */
+void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const float *bias, void *y, int form,
+                    int64_t m, int64_t n, int64_t k) {
     if (dot_on) {
         uint16_t *p = pairs_of(x, 0, ldx, m, k);
-        gemm(p ? p : x, wp, bias, y, m, n, even(k), 2);
+        gemm(p ? p : x, wp, bias, y, m, n, even(k), 2, form);
         free(p);
         return;
     }
-    float *xf = malloc((size_t)(m * k) * sizeof *xf);
+    float *xf = malloc((size_t)(m * k) * sizeof *xf), *yf = form == Y_F32 ? y : malloc((size_t)(m * n) * sizeof *yf);
     kvs_widen_bf16(x, ldx, xf, m, k);
-    kvs_gemm_bf16(xf, wp, bias, y, m, n, k);
+    kvs_gemm_bf16(xf, wp, bias, yf, m, n, k);
+    if (form != Y_F32) {
+        emit(yf, NULL, y, form, 0, m * n);
+        free(yf);
+    }
     free(xf);
 }
 

@@ -157,25 +157,25 @@ int kvs_layer_f32(const LayerWeights *w, const DecodeStep *s, void *k_cache, voi
 
 int kvs_amx_active(void);
 int kvs_bf16_dot_active(void);
-void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const float *bias, float *y, int64_t m,
-                    int64_t n, int64_t k);
+void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const float *bias, void *y, int form,
+                    int64_t m, int64_t n, int64_t k);
 void kvs_amx_gemm(const void *x, int x_bf16, const uint16_t *wp, const float *bias, void *y, int y_bf16, int64_t m,
                   int64_t n, int64_t k);
 
-/* y [t, n] bf16 = x [t, k] bf16 times packed bf16 weights (+ bias): on AMX tiles bf16 in and out,
- * else through the float32 GEMM. */
+/* y [t, n] bf16 = x [t, k] bf16 times packed bf16 weights (+ bias): on AMX tiles or the dot
+ * products bf16 in and out (each thread rounding its own sums), else through the float32 GEMM. */
 static void gemm_bf16_rows(const DecodeStep *s, const uint16_t *x, const void *w, const float *bias, uint16_t *y,
                            int64_t n, int64_t k) {
     if (kvs_amx_active()) {
         kvs_amx_gemm(x, 1, w, bias, y, 1, s->tokens, n, k);
         return;
     }
-    if (kvs_bf16_dot_active()) { /* the rows as they are, to the dot products (csrc/gemm.c) */
-        kvs_gemm_bf16x(x, k, w, bias, s->wide_out, s->tokens, n, k);
-    } else {
-        kvs_widen_bf16(x, k, s->wide_in, s->tokens, k);
-        kvs_gemm_bf16(s->wide_in, w, bias, s->wide_out, s->tokens, n, k);
+    if (kvs_bf16_dot_active()) { /* the rows as they are, to the dot products (csrc/gemm.c), y as bf16 */
+        kvs_gemm_bf16x(x, k, w, bias, y, 1, s->tokens, n, k);
+        return;
     }
+    kvs_widen_bf16(x, k, s->wide_in, s->tokens, k);
+    kvs_gemm_bf16(s->wide_in, w, bias, s->wide_out, s->tokens, n, k);
     kvs_narrow_bf16(s->wide_out, y, s->tokens * n);
 }
 

@@ -26,6 +26,15 @@ static inline __attribute__((always_inline)) vf loadv(const float *p) {
     return v;
 }
 
+/* float32 to bf16: to nearest, ties to even, as torch converts; a NaN becomes the quiet NaN 0x7fc0. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
 /* VW bf16 values widened to float32: a 16-bit shift into the high half. Written as
  * __builtin_convertvector, GCC (tuned for a Zen 5 EPYC) split each 16-lane widening into two 8-lane
  * ones plus an extract and an insert, and the one-row bf16 GEMM read 29 GB/s on one core; the
