@@ -773,7 +773,8 @@ def test_two_groups_are_tuned_or_set_once_per_process(monkeypatch):
 def test_bf16_products_on_the_widening_kernel_where_tiles_and_dot_products_are_switched_off(tmp_path):
     """KVSTRATA_AMX=0 and KVSTRATA_BF16_DOT=0 keep bf16 weights in the widening kernel's layout even
     on a CPU with AMX or bf16 dot products: k steps one by one, not rounded up to pairs (a fresh
-    process: the choice is made once, before anything is packed)."""
+    process: the choice is made once, before anything is packed). The bf16-x entry point
+    (kvs_gemm_bf16x) widens x for them and rounds y in the form asked."""
     import subprocess
     import sys
 
@@ -789,6 +790,13 @@ def test_bf16_products_on_the_widening_kernel_where_tiles_and_dot_products_are_s
         "y = k.gemm(x, p, None)\n"
         "torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=3e-2, atol=0.3)\n"
         "assert torch.equal(k.gemm(x[:1], p, None), y[:1])  # one row: a loop of its own\n"
+        "# the bf16-x entry point widens x there, and rounds the sums (the bias added) after them\n"
+        "b = torch.randn(100, generator=g)\n"
+        "ref = k.gemm(x.float(), p, b).bfloat16().float()\n"
+        "for form, out in ((1, torch.empty(5, 100, dtype=torch.bfloat16)), (2, torch.empty(5, 100))):\n"
+        "    k._lib.kvs_gemm_bf16x(x.data_ptr(), 71, p.data.data_ptr(), b.data_ptr(), out.data_ptr(), form,\n"
+        "                          5, 100, 71)\n"
+        "    assert torch.equal(out.float(), ref), form\n"
     )
     env = {**os.environ, "KVSTRATA_AMX": "0", "KVSTRATA_BF16_DOT": "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
