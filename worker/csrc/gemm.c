@@ -457,8 +457,8 @@ void kvs_gemm_set_turns(int on) { turns_on = on; } /* tests and benchmarks */
  * stored as bf16 or as the float32 values they are. */
 enum { Y_F32 = 0, Y_BF16 = 1, Y_BF16_IN_F32 = 2 };
 
-/* count sums src (plus bias, where given, added in float32 as the Y_F32 form adds it) into y from
- * element `at` on, rounded to bf16 in `form` (Y_BF16 or Y_BF16_IN_F32). */
+/* The `count` sums at src, plus the bias where given (added in float32, as the Y_F32 form adds it),
+ * rounded to bf16 into y from element `at` on, in `form` (Y_BF16 or Y_BF16_IN_F32). */
 static inline __attribute__((always_inline)) void emit(const float *src, const float *bias, void *y, int form,
                                                        int64_t at, int64_t count) {
     uint16_t *half = (uint16_t *)y + at;
