@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec.h" /* to_bf16, y's forms */
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <immintrin.h>
 #include <omp.h>
@@ -47,8 +49,6 @@
  * even with it on a Xeon of the 480 MB-L3 class, toggled in one build, and 1.04-1.10x slower inside
  * the engine's decode steps. */
 #define AHEAD_BYTES 4096
-/* y's forms (kvs_amx_gemm's y_bf16) */
-enum { Y_F32 = 0, Y_BF16 = 1, Y_BF16_IN_F32 = 2 };
 #define X_BUF_KEEP ((size_t)1 << 21) /* bf16 elements of x a thread keeps between calls (4 MB) */
 
 static int amx_on = 0;
@@ -88,13 +88,6 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } TileConfig;
-
-static inline uint16_t bf16_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* Rows r0 .. r0 + rows - 1 (rows <= 32) of y against column pair j. Tiles: 0, 1 A (rows 0-15,
  * 16-31); 2, 3 B (the pair's two column tiles); 4-7 C (A row tile x B column tile). */
@@ -140,11 +133,11 @@ static inline __attribute__((always_inline)) void pair_block(const uint16_t *xp,
         int64_t at = (r0 + i) * n + j * 32;
         if (y_bf16 == Y_BF16) {
             uint16_t *dst = (uint16_t *)y + at;
-            for (int64_t c = 0; c < cols; c++) dst[c] = bf16_bits(src[c]);
+            for (int64_t c = 0; c < cols; c++) dst[c] = to_bf16(src[c]);
         } else if (y_bf16 == Y_BF16_IN_F32) {
             float *dst = (float *)y + at;
             for (int64_t c = 0; c < cols; c++) {
-                uint32_t u = (uint32_t)bf16_bits(src[c]) << 16;
+                uint32_t u = (uint32_t)to_bf16(src[c]) << 16;
                 memcpy(dst + c, &u, sizeof u);
             }
         } else {
@@ -191,7 +184,7 @@ void kvs_amx_gemm(const void *x, int x_bf16, const uint16_t *wp, const float *bi
         if (x_bf16) {
             memcpy(xp + i * ldx, (const uint16_t *)x + i * k, (size_t)k * sizeof(uint16_t));
         } else {
-            for (int64_t kk = 0; kk < k; kk++) xp[i * ldx + kk] = bf16_bits(((const float *)x)[i * k + kk]);
+            for (int64_t kk = 0; kk < k; kk++) xp[i * ldx + kk] = to_bf16(((const float *)x)[i * k + kk]);
         }
         memset(xp + i * ldx + k, 0, (size_t)(ldx - k) * sizeof(uint16_t));
     }

@@ -453,10 +453,6 @@ static const float *widened_group(const uint16_t *wp, int64_t g, int64_t k) {
 static int turns_on = VW == 16;
 void kvs_gemm_set_turns(int on) { turns_on = on; } /* tests and benchmarks */
 
-/* What y holds (as in csrc/amx_gemm.c): float32 sums, or those sums (plus the bias) rounded to bf16,
- * stored as bf16 or as the float32 values they are. */
-enum { Y_F32 = 0, Y_BF16 = 1, Y_BF16_IN_F32 = 2 };
-
 /* The `count` sums at src, plus the bias where given (added in float32, as the Y_F32 form adds it),
  * rounded to bf16 into y from element `at` on, in `form` (Y_BF16 or Y_BF16_IN_F32). */
 static inline __attribute__((always_inline)) void emit(const float *src, const float *bias, void *y, int form,

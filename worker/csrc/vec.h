@@ -35,6 +35,10 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* What a bf16 GEMM's y holds (kvs_amx_gemm's y_bf16, kvs_gemm_bf16x's form): float32 sums, or those
+ * sums (plus the bias) rounded to bf16, stored as bf16 or as the float32 values they are. */
+enum { Y_F32 = 0, Y_BF16 = 1, Y_BF16_IN_F32 = 2 };
+
 /* VW bf16 values widened to float32: a 16-bit shift into the high half. Written as
  * __builtin_convertvector, GCC (tuned for a Zen 5 EPYC) split each 16-lane widening into two 8-lane
  * ones plus an extract and an insert, and the one-row bf16 GEMM read 29 GB/s on one core; the
