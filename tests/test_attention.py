@@ -196,6 +196,43 @@ def test_decode_gives_the_same_bits_with_keys_pulled_ahead_or_not(monkeypatch, d
 
 
 @pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+@pytest.mark.parametrize("tasks", ["sequences", "chunks", "heads"])
+def test_float32_decode_prefetches_every_row_it_reads_once(tasks):
+    """With keys pulled ahead, float32 tasks of all KV heads (whole sequences in a large batch, single
+    chunks in a smaller one) prefetch their rows in the order the passes read them, and a thread's
+    stream carries the rows of its next chunk it has already prefetched over to that chunk's stream
+    (csrc/dense_decode.c's Stream): each key and value row of every context is prefetched exactly once.
+    Tasks of one KV head (a lone sequence), bf16 rows, and no pull-ahead keep the block prefetches."""
+    lib = KERNELS._lib
+    threads = lib.omp_get_max_threads()  # the tasks follow the kernel's threads (csrc/paged_attention.c)
+    batch = {"sequences": 4 * threads, "chunks": 2 * threads, "heads": 1}[tasks]
+    gen = torch.Generator().manual_seed(batch)
+    h, h_kv, d, block, num_blocks = 9, 3, 64, 16, 160
+    k_cache = torch.randn(num_blocks, block, h_kv, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block, h_kv, d, generator=gen)
+    longest = 1100 if tasks != "heads" else 500  # one to three chunks of 512; a lone one of one chunk
+    seq_lens = torch.randint(1, longest, (batch,), generator=gen)
+    seq_lens[0] = longest
+    table = torch.randperm(num_blocks, generator=gen)[:69].repeat(batch, 1)  # 69 blocks hold 1,104 tokens
+    q = torch.randn(batch, h, d, generator=gen)
+    default = lib.kvs_decode_set_key_ahead(1)
+    try:
+        lib.kvs_decode_stream_rows()  # from zero
+        streamed = KERNELS.paged_decode(q, k_cache, v_cache, table, seq_lens, d ** -0.5)
+        rows = lib.kvs_decode_stream_rows()
+        KERNELS.paged_decode(q, k_cache.bfloat16(), v_cache.bfloat16(), table, seq_lens, d ** -0.5)
+        bf16_rows = lib.kvs_decode_stream_rows()
+        lib.kvs_decode_set_key_ahead(0)
+        blocks = KERNELS.paged_decode(q, k_cache, v_cache, table, seq_lens, d ** -0.5)
+        unahead_rows = lib.kvs_decode_stream_rows()
+    finally:
+        lib.kvs_decode_set_key_ahead(default)
+    assert rows == (0 if tasks == "heads" else 2 * int(seq_lens.sum()))
+    assert bf16_rows == 0 and unahead_rows == 0
+    assert torch.equal(streamed, blocks)
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("h,h_kv,d,block,max_len", [
     (9, 3, 64, 16, 1300),  # SmolLM2's heads: chunks of 512 tokens, the last one partial

@@ -88,6 +88,8 @@ class CpuKernels:
         if ahead is not None:
             lib.kvs_decode_set_key_ahead(int(ahead))
         self.key_ahead = bool(lib.kvs_decode_set_key_ahead(-1))  # -1 leaves it, returning it
+        lib.kvs_decode_stream_rows.argtypes = []  # rows float32 decodes streamed since the last call (tests)
+        lib.kvs_decode_stream_rows.restype = ctypes.c_int64
         lib.kvs_prefill_set_pairs.argtypes = [ctypes.c_int]  # prefill attention tiles in pairs on/off
         lib.kvs_prefill_set_pairs.restype = ctypes.c_int
         lib.kvs_prefill_pair_tiles.argtypes = []
