@@ -232,9 +232,9 @@ def test_speculation_stays_within_the_step_budget(llm):
     sizes = []
     original = engine.runner.execute
 
-    def recording(batch, rows, spans=None):
+    def recording(batch, rows, spans=None, **kwargs):
         sizes.append(batch.num_tokens)
-        return original(batch, rows, spans)
+        return original(batch, rows, spans, **kwargs)
 
     llm.reset_prefix_cache()
     engine.runner.execute = recording
@@ -304,7 +304,7 @@ def test_the_request_with_most_output_to_go_drafts_first(llm):
     seen = []
     original = engine.runner.execute
 
-    def recording(batch, rows, spans=None):
+    def recording(batch, rows, spans=None, **kwargs):
         decoding = [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens >= len(count)]
         drafting = [r for r, n in zip(batch.requests, batch.num_new_tokens) if n > 1 and r in decoding]
         if len(decoding) == 2 and drafting:
@@ -314,7 +314,7 @@ def test_the_request_with_most_output_to_go_drafts_first(llm):
                     other.params.max_tokens - other.num_output_tokens]
             # the other one may have more to go only if it had nothing to draft
             seen.append((len(drafting), left[0] >= left[1] or NgramIndex().draft(other.token_ids, 1) == []))
-        return original(batch, rows, spans) if spans is not None else original(batch, rows)
+        return original(batch, rows, spans, **kwargs)
 
     llm.reset_prefix_cache()
     engine.runner.execute = recording

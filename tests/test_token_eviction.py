@@ -232,7 +232,7 @@ def test_memory_stays_within_budget_plus_one_block_over_a_long_generation(tiny, 
     real_execute = runner.execute
     peak: dict[str, int] = {}
 
-    def spy(batch, rows):  # what each request holds while the model runs, new tokens included
+    def spy(batch, rows, *args, **kwargs):  # what each request holds while the model runs, new tokens included
         for req, n in zip(batch.requests, batch.num_new_tokens):
             policy = req.eviction.policy
             if policy.whole_prompt and req.num_computed_tokens < req.num_prompt_tokens:
@@ -240,7 +240,7 @@ def test_memory_stays_within_budget_plus_one_block_over_a_long_generation(tiny, 
             assert req.num_kv_tokens + n <= policy.budget_tokens + BS, (policy, req.num_kv_tokens, n)
             assert len(req.block_table) <= -(-policy.budget_tokens // BS) + 1, policy
             peak[req.request_id] = max(peak.get(req.request_id, 0), req.num_kv_tokens + n)
-        return real_execute(batch, rows)
+        return real_execute(batch, rows, *args, **kwargs)
 
     monkeypatch.setattr(runner, "execute", spy)
     for i, policy in enumerate(POLICIES):  # a 100-token prompt: longer than every budget

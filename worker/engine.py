@@ -17,7 +17,7 @@ from kvstrata.worker.kv_cache_manager import KVCacheManager
 from kvstrata.worker.model_runner import ModelRunner
 from kvstrata.worker.outputs import CompletionOutput, RequestOutput
 from kvstrata.worker.request import FinishReason, Request, RequestStatus, Teacher
-from kvstrata.worker.sampler import Sampler
+from kvstrata.worker.sampler import SampleResult, Sampler
 from kvstrata.worker.sampling_params import SamplingParams
 from kvstrata.worker.scheduler import Scheduler, SchedulerConfig
 from kvstrata.worker.speculative import add_drafts, rewind, sample_rows
@@ -229,7 +229,11 @@ class LLMEngine:
                     to_sample.append(child)
                     spans.append(1)
         self.runner.attention_observer = self.evictor.observer(batch)  # H2O and SnapKV scores, if any
-        logits = self.runner.execute(batch, rows, spans) if drafts else self.runner.execute(batch, rows)
+        # greedy rows without log-probs or teachers need only each row's argmax (the runner may pick
+        # them without the float32 logits: worker/greedy_head.py)
+        greedy = bool(to_sample) and not self._num_teachers and all(
+            r.params.greedy and r.params.logprobs is None for r in to_sample)
+        logits = self.runner.execute(batch, rows, spans if drafts else None, greedy=greedy)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
         self.evictor.after_step(batch)  # before forks, so that samples share the evicted cache
@@ -240,7 +244,10 @@ class LLMEngine:
         rows_of = sample_rows(to_sample, spans) if drafts else to_sample  # the request of each logits row
         seeded = {req: req.generator.get_state() for req in drafts
                   if req.generator is not None and not req.params.greedy}  # rewound to the kept rows
-        result = self.sampler.sample(logits, rows_of) if rows_of else None
+        if logits.dtype == torch.int64:  # the greedy tokens themselves
+            result = SampleResult(logits.tolist(), None)
+        else:
+            result = self.sampler.sample(logits, rows_of) if rows_of else None
         if self._num_teachers and result is not None:
             self._force(logits, rows_of, result.token_ids)
         finished: list[RequestOutput] = []

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from kvstrata.worker.attention import AttentionMetadata, paged_attention, write_kv
 from kvstrata.worker.config import ModelConfig
 from kvstrata.worker.cpu_kernels import PackedWeight
+from kvstrata.worker.greedy_head import GreedyHead
 from kvstrata.worker.linear import select_linear
 from kvstrata.worker.rope import RotaryEmbedding
 from kvstrata.worker.tensor_parallel import TPShard
@@ -106,6 +107,7 @@ class LlamaModel:
             if dtype == torch.float32:  # and whether 9-32-row products take turns (float32 only)
                 kernels.tune_turns(panels)
             kernels.tune_two_groups(panels)  # and how one row streams (AVX2 builds)
+        self.greedy_head = self._make_greedy_head(head, dtype, shard)
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                     c.rope_scaling, dtype, device)
         self.scale = c.head_dim**-0.5
@@ -219,3 +221,25 @@ class LlamaModel:
         """hidden: [N, hidden] (only the rows that are sampled) -> logits [N, V] in float32."""
         x = self._rms_norm(hidden, self.norm)
         return self.linear.to_float(x, self.lm_head, None)
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [N, hidden] -> each row's greedy token, int64 [N]: the first index of the largest of
+        compute_logits' row, from the greedy head (worker/greedy_head.py); None without one, or where
+        a row holds a non-finite value."""
+        if self.greedy_head is None:
+            return None
+        return self.greedy_head.tokens(self._rms_norm(hidden, self.norm))
+
+    def _make_greedy_head(self, head: torch.Tensor, dtype: torch.dtype, shard: TPShard | None) -> GreedyHead | None:
+        """The greedy head for a whole float32 head that the packed GEMM multiplies, where this build
+        gives its bits and KVSTRATA_GREEDY_HEAD allows; else None."""
+        from kvstrata.worker import greedy_head
+        from kvstrata.worker.cpu_kernels import load_cpu_kernels
+
+        if dtype != torch.float32 or shard is not None or not isinstance(self.lm_head, PackedWeight):
+            return None
+        kernels = load_cpu_kernels()
+        if not greedy_head.wanted() or kernels is None or not greedy_head.available(kernels):
+            return None
+        return GreedyHead(kernels, head, self.lm_head, kept=head is self.embed)

@@ -106,10 +106,13 @@ class ModelRunner:
             return
         self.kv_format.move_slots(self.kv_cache, src.to(self.device), dst.to(self.device))
 
-    def execute(self, batch: ScheduledBatch, sample_rows: list[int], spans: list[int] | None = None) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, sample_rows: list[int], spans: list[int] | None = None,
+                greedy: bool = False) -> torch.Tensor:
         """Run one step; returns float32 logits [len(sample_rows), V] for the given batch rows: each
         row's last token. With spans, spans[j] tokens of row sample_rows[j], its last ones in order
-        (a speculative step's drafts), sum(spans) rows in all."""
+        (a speculative step's drafts), sum(spans) rows in all. With greedy, where the model picks
+        greedy tokens without the float32 logits (LlamaModel.greedy_tokens), those instead: int64,
+        one a row."""
         input_ids, positions, meta, last_token_rows = self._prepare(batch)
         if self.comm is None:
             self.copy_blocks(batch.block_copies)
@@ -129,7 +132,9 @@ class ModelRunner:
         if spans is not None:
             rows = torch.tensor([r - i for r, n in zip(rows.tolist(), spans) for i in range(n - 1, -1, -1)],
                                 dtype=torch.long)
-        return self.model.compute_logits(hidden[rows.to(self.device)])
+        hidden = hidden[rows.to(self.device)]
+        tokens = self.model.greedy_tokens(hidden) if greedy else None
+        return tokens if tokens is not None else self.model.compute_logits(hidden)
 
     def sync_tiers(self) -> None:
         """Rank 0, when no step runs (requests wait for NVMe): send the tier ops so far and learn

@@ -1,0 +1,118 @@
+"""The greedy head (worker/greedy_head.py, csrc/greedy_head.c): a float32 model's greedy tokens from a bf16
+copy of the head, the same tokens the float32 logits' argmax gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstrata.worker.cpu_kernels import load_cpu_kernels
+
+KERNELS = load_cpu_kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None or not __import__("kvstrata.worker.greedy_head", fromlist=["x"])
+                                   .available(KERNELS), reason="no C compiler, or no fused multiply-adds")
+
+
+def _head(vocab: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A head [vocab, k] and rows x [24, k], the first 8 of which pick token 1 in float32 while the bf16
+    products put token 0 ahead by nearly as much as they misjudge token 1. Every value of b, a bf16
+    vector, sits just below a power of two (its largest mantissa), so that b raised by 0.99 x 2^-9
+    still rounds to b: row 1 is b so raised, and its bf16 products miss that much of its logit, all
+    of it one way (x[:8] point along b); row 0 is b with enough values one bf16 step larger that its
+    logit lies about 0.9 of that above b's."""
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randn(vocab, k, generator=gen) * 0.05
+    signs = torch.randint(0, 2, (k,), generator=gen).float() * 2 - 1
+    b = signs * (2 - 2 ** -7) * 2 ** -4  # bf16 values with the largest mantissa
+    step = (2 ** -3 - (2 - 2 ** -7) * 2 ** -4) * 32 * (2 - 2 ** -7) * 2 ** -4  # one value one step up, x = 32 b
+    missed = 0.99 * 2 ** -9 * k * 32 * ((2 - 2 ** -7) * 2 ** -4) ** 2
+    bumped = b.clone()
+    bumped[:round(0.9 * missed / step)] = signs[:round(0.9 * missed / step)] * 2 ** -3
+    head[0], head[1], head[2] = bumped, b * (1 + 0.99 * 2 ** -9), b
+    x = torch.randn(24, k, generator=gen)
+    x[:8] = b * 32 + torch.randn(8, k, generator=gen) * 1e-3 * (torch.rand(8, k, generator=gen) < 0.01)
+    return head, x
+
+
+def _reference(x: torch.Tensor, packed) -> torch.Tensor:
+    logits = KERNELS.gemm(x, packed, None, to_float=True)  # the float32 head, as the engine computes it
+    return KERNELS.argmax(logits)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kept", [True, False])  # the float32 rows read from the head itself, or the packed copy
+@pytest.mark.parametrize("vocab", [1000, 49152 + 7])  # a tail past the last whole vector and block
+def test_greedy_tokens_are_the_float32_logits_argmax(kept, vocab):
+    from kvstrata.worker.greedy_head import GreedyHead
+
+    head, x = _head(vocab, 576, seed=vocab)
+    packed = KERNELS.pack(head)
+    greedy = GreedyHead(KERNELS, head, packed, kept=kept)
+    want = _reference(x, packed)
+    approx = KERNELS.gemm(x, KERNELS.pack(head.bfloat16()), None, to_float=True)
+    assert (approx.argmax(dim=1)[:8] == 0).all() and (want[:8] == 1).all()  # the bf16 products alone get these wrong
+    values = torch.empty(len(x))
+    got = greedy.tokens(x, values)
+    assert torch.equal(got, want)
+    full = KERNELS.gemm(x, packed, None, to_float=True)
+    assert torch.equal(values, full[torch.arange(len(x)), want])  # the float32 logits' own bits
+    # the bound left tokens 0 and 1 (at least) of the first rows to check, and little else
+    assert 2 * 8 <= greedy.checked < 24 * 40
+    for rows in (1, 5, 70):  # one row, a few, more than one bf16 product's worth
+        xs = x.repeat(3, 1)[:rows]
+        assert torch.equal(greedy.tokens(xs), _reference(xs, packed))
+
+
+@needs_kernels
+def test_a_row_with_a_non_finite_value_is_left_to_the_float32_head():
+    from kvstrata.worker.greedy_head import GreedyHead
+
+    head, x = _head(1000, 64, seed=1)
+    greedy = GreedyHead(KERNELS, head, KERNELS.pack(head), kept=True)
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[3, 5] = bad
+        assert greedy.tokens(y) is None
+    with pytest.raises(ValueError, match="float32 rows"):
+        greedy.tokens(x.double())
+    with pytest.raises(ValueError, match="float32 head"):
+        GreedyHead(KERNELS, head.bfloat16(), KERNELS.pack(head))
+
+
+def test_the_switch_is_0_or_1(monkeypatch):
+    from kvstrata.worker.greedy_head import ENV, wanted
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert wanted()
+    monkeypatch.setenv(ENV, "0")
+    assert not wanted()
+    monkeypatch.setenv(ENV, "yes")
+    with pytest.raises(ValueError, match=ENV):
+        wanted()
+
+
+@needs_kernels
+def test_the_engine_takes_greedy_tokens_only_for_greedy_rows_without_log_probs(llm):
+    """The session's float32 model has a greedy head. Greedy requests come out the same tokens with it
+    and without it; a step with a sampled row, or a row asking for log-probs, takes the float32 logits."""
+    from kvstrata.worker.sampling_params import SamplingParams
+
+    model = llm.engine.runner.model
+    greedy = model.greedy_head
+    assert greedy is not None and greedy.nbytes >= model.embed.numel() * 2
+    prompts = [[17 + (7 * i + j) % 4000 for j in range(20 + 9 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    before = greedy.checked
+    with_head = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert greedy.checked > before
+    model.greedy_head = None
+    try:
+        without = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        model.greedy_head = greedy
+    assert with_head == without
+    before = greedy.checked
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True))
+    llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                               SamplingParams(temperature=0.8, max_tokens=4, seed=3, ignore_eos=True)])
+    assert greedy.checked == before
