@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvstrata.worker import greedy_head
 from kvstrata.worker.cpu_kernels import load_cpu_kernels
 
 KERNELS = load_cpu_kernels()
-needs_kernels = pytest.mark.skipif(KERNELS is None or not __import__("kvstrata.worker.greedy_head", fromlist=["x"])
-                                   .available(KERNELS), reason="no C compiler, or no fused multiply-adds")
+needs_kernels = pytest.mark.skipif(KERNELS is None or not greedy_head.available(KERNELS),
+                                   reason="no C compiler, or no fused multiply-adds")
 
 
 def _head(vocab: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
