@@ -52,7 +52,7 @@ class GreedyHead:
         lib.kvs_greedy_head.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
         lib.kvs_greedy_head.restype = ctypes.c_int64
         self.packed = packed
-        self.rows = head.contiguous() if kept else None
+        self.head_rows = head.contiguous() if kept else None
         bf16 = head.bfloat16()
         self.bf16 = kernels.pack(bf16, out=empty_on_huge_pages(kernels.packed_numel(bf16), torch.bfloat16))
         # each row's norm from above: a float32 sum of K squares is within about K 2^-24 of its value
@@ -85,7 +85,7 @@ class GreedyHead:
             approx = self._approx_buffer(rows)
             xr = x[r0:r0 + rows]
             self._lib.kvs_gemm_bf16(xr.data_ptr(), self.bf16.data.data_ptr(), None, approx.data_ptr(), rows, v, k)
-            head = None if self.rows is None else self.rows.data_ptr()
+            head = None if self.head_rows is None else self.head_rows.data_ptr()
             if self._lib.kvs_greedy_head(xr.data_ptr(), approx.data_ptr(), self.packed.data.data_ptr(), head,
                                          self.norms.data_ptr(), rows, v, k, out[r0:].data_ptr(),
                                          None if values is None else values[r0:].data_ptr(), checked[r0:].data_ptr()):

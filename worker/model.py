@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from kvstrata.worker.attention import AttentionMetadata, paged_attention, write_kv
 from kvstrata.worker.config import ModelConfig
 from kvstrata.worker.cpu_kernels import PackedWeight
-from kvstrata.worker.greedy_head import GreedyHead
+from kvstrata.worker import greedy_head
 from kvstrata.worker.linear import select_linear
 from kvstrata.worker.rope import RotaryEmbedding
 from kvstrata.worker.tensor_parallel import TPShard
@@ -231,10 +231,10 @@ class LlamaModel:
             return None
         return self.greedy_head.tokens(self._rms_norm(hidden, self.norm))
 
-    def _make_greedy_head(self, head: torch.Tensor, dtype: torch.dtype, shard: TPShard | None) -> GreedyHead | None:
+    def _make_greedy_head(self, head: torch.Tensor, dtype: torch.dtype,
+                          shard: TPShard | None) -> greedy_head.GreedyHead | None:
         """The greedy head for a whole float32 head that the packed GEMM multiplies, where this build
         gives its bits and KVSTRATA_GREEDY_HEAD allows; else None."""
-        from kvstrata.worker import greedy_head
         from kvstrata.worker.cpu_kernels import load_cpu_kernels
 
         if dtype != torch.float32 or shard is not None or not isinstance(self.lm_head, PackedWeight):
@@ -242,4 +242,4 @@ class LlamaModel:
         kernels = load_cpu_kernels()
         if not greedy_head.wanted() or kernels is None or not greedy_head.available(kernels):
             return None
-        return GreedyHead(kernels, head, self.lm_head, kept=head is self.embed)
+        return greedy_head.GreedyHead(kernels, head, self.lm_head, kept=head is self.embed)
