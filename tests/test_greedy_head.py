@@ -42,11 +42,12 @@ def _reference(x: torch.Tensor, packed) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("kept", [True, False])  # the float32 rows read from the head itself, or the packed copy
-@pytest.mark.parametrize("vocab", [1000, 49152 + 7])  # a tail past the last whole vector and block
-def test_greedy_tokens_are_the_float32_logits_argmax(kept, vocab):
+# a last group of the head part empty, an odd width (the bf16 pairs padded), a tail past the last vector and block
+@pytest.mark.parametrize("vocab,k", [(1000, 576), (1000, 63), (49152 + 7, 576)])
+def test_greedy_tokens_are_the_float32_logits_argmax(kept, vocab, k):
     from kvstrata.worker.greedy_head import GreedyHead
 
-    head, x = _head(vocab, 576, seed=vocab)
+    head, x = _head(vocab, k, seed=vocab + k)
     packed = KERNELS.pack(head)
     greedy = GreedyHead(KERNELS, head, packed, kept=kept)
     want = _reference(x, packed)
