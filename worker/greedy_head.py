@@ -7,12 +7,17 @@ float32 logit, computed as the float32 head computes it, so the answer is the to
 logits give, bit for bit (csrc/greedy_head.c has the bound).
 
 The copy costs the head's size in bf16 (56.6 MB for SmolLM2). KVSTRATA_GREEDY_HEAD=0 turns it off.
+
+Where the CPU multiplies bf16 no faster than float32 (bf16 widened to float32, as on AVX2 cores),
+the copy only saves bytes: it wins while the head streams from memory (few rows) and loses once
+the products set the pace, so `tune` finds at load up to how many rows it wins (see there).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import time
 
 import torch
 
@@ -20,6 +25,8 @@ from kvstrata.worker.cpu_kernels import CpuKernels, PackedWeight
 from kvstrata.worker.huge_pages import empty_on_huge_pages
 
 ENV = "KVSTRATA_GREEDY_HEAD"
+ROWS_ENV = "KVSTRATA_GREEDY_HEAD_ROWS"
+_TUNE_ROWS = (4, 8, 12, 16, 24, 32, 48, 64)  # the row counts tune times, in order, until the copy loses
 _MAX_ROWS = 64  # rows per bf16 product: the approximate logits' buffer is kept, [_MAX_ROWS, V] at most
 
 
@@ -61,6 +68,8 @@ class GreedyHead:
         self.norms = (torch.linalg.vector_norm(head, dim=1) * (1 + k * 2 ** -23 + 2 ** -20)).contiguous()
         self._approx: torch.Tensor | None = None  # [rows, V] approximate logits, kept between steps
         self.checked = 0  # float32 logits computed so far, over every row (for tests and benchmarks)
+        self.max_rows: int | None = None  # the most rows `tokens` takes (None: any number); see tune
+        self._kernels = kernels
 
     @property
     def nbytes(self) -> int:
@@ -74,6 +83,8 @@ class GreedyHead:
         [N], optional) receives those logits."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.packed.k:
             raise ValueError(f"GreedyHead.tokens needs float32 rows [N, {self.packed.k}]")
+        if not self.takes(x.shape[0]):
+            return None  # the float32 head is as fast here (see tune)
         x = x.contiguous()
         n, v, k = x.shape[0], self.packed.n, self.packed.k
         if values is not None and (values.dtype != torch.float32 or values.shape != (n,) or not values.is_contiguous()):
@@ -92,6 +103,54 @@ class GreedyHead:
                 return None
         self.checked += int(checked.sum())
         return out
+
+    def takes(self, rows: int) -> bool:
+        """Whether `tokens` takes a call of `rows` rows (max_rows)."""
+        return self.max_rows is None or rows <= self.max_rows
+
+    def tune(self, rounds: int = 3) -> int | None:
+        """Sets and returns max_rows, once at load. With bf16 dot products or AMX tiles the copy is
+        multiplied faster than the float32 head as well as read in half the bytes, and takes any
+        number of rows (on a Zen 4 EPYC 1.8x faster at 32 rows). Otherwise it times both ways, the
+        float32 head and its argmax against `tokens`, alternating, at 4, 8, 12, 16, 24, 32, 48 and 64
+        rows in turn until the float32 head's median is the lower, and keeps the last count at which
+        the copy won (None if it won at all of them, 0 if at none). On a 2-core Zen 3 EPYC (AVX2)
+        the copy ran 1.57-2.19x faster at 1-8 rows, 1.27x at 12 and 0.91-0.95x at 16-32. The
+        tokens are the same bits either way. KVSTRATA_GREEDY_HEAD_ROWS (a whole number) sets it
+        without timing."""
+        env = os.environ.get(ROWS_ENV)
+        if env is not None:
+            if not env.isdigit():
+                raise ValueError(f"{ROWS_ENV} must be a whole number of rows, not {env!r}")
+            self.max_rows = int(env)
+        elif self._kernels.amx or self._kernels.bf16_dot:
+            self.max_rows = None
+        else:
+            checked = self.checked
+            self.max_rows = None
+            last = 0
+            for rows in _TUNE_ROWS:
+                head, copy = self._time_both(rows, rounds)
+                if copy >= head:
+                    self.max_rows = last
+                    break
+                last = rows
+            self.checked = checked
+        return self.max_rows
+
+    def _time_both(self, rows: int, rounds: int) -> tuple[float, float]:
+        """Median seconds of the float32 head with its argmax, and of `tokens`, at `rows` random rows,
+        alternating; the first round only brings both to the same state."""
+        x = torch.randn(rows, self.packed.k, generator=torch.Generator().manual_seed(rows))
+        times: tuple[list[float], list[float]] = ([], [])
+        ways = (lambda: self._kernels.argmax(self._kernels.gemm(x, self.packed, None)), lambda: self.tokens(x))
+        for r in range(rounds + 1):
+            for i in ((0, 1) if r % 2 else (1, 0)):
+                t0 = time.perf_counter()
+                ways[i]()
+                if r:
+                    times[i].append(time.perf_counter() - t0)
+        return tuple(sorted(ts)[len(ts) // 2] for ts in times)
 
     def _approx_buffer(self, rows: int) -> torch.Tensor:
         """[rows, V] float32 from one buffer kept for the largest row count so far: a fresh one each

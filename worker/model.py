@@ -225,9 +225,9 @@ class LlamaModel:
     @torch.inference_mode()
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [N, hidden] -> each row's greedy token, int64 [N]: the first index of the largest of
-        compute_logits' row, from the greedy head (worker/greedy_head.py); None without one, or where
-        a row holds a non-finite value."""
-        if self.greedy_head is None:
+        compute_logits' row, from the greedy head (worker/greedy_head.py); None without one, for more
+        rows than it takes, or where a row holds a non-finite value."""
+        if self.greedy_head is None or not self.greedy_head.takes(hidden.shape[0]):
             return None
         return self.greedy_head.tokens(self._rms_norm(hidden, self.norm))
 
@@ -242,4 +242,6 @@ class LlamaModel:
         kernels = load_cpu_kernels()
         if not greedy_head.wanted() or kernels is None or not greedy_head.available(kernels):
             return None
-        return greedy_head.GreedyHead(kernels, head, self.lm_head, kept=head is self.embed)
+        made = greedy_head.GreedyHead(kernels, head, self.lm_head, kept=head is self.embed)
+        # up to how many rows it pays, where bf16 multiplies no faster than float32; none: not kept
+        return None if made.tune() == 0 else made
