@@ -3,6 +3,8 @@ copy of the head, the same tokens the float32 logits' argmax gives."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -161,6 +163,35 @@ def test_tune_times_the_real_heads_and_counts_nothing(monkeypatch):
     assert greedy.checked == 0
     greedy.max_rows = None
     assert torch.equal(greedy.tokens(x), _reference(x, packed))
+
+
+@needs_kernels
+def test_a_model_times_its_head_once_per_process_and_drops_a_copy_that_never_wins(llm, monkeypatch):
+    from kvstrata.worker import model as model_module
+    from kvstrata.worker.greedy_head import ROWS_ENV, GreedyHead
+
+    model = llm.engine.runner.model
+    head = model.embed  # SmolLM2's head is its tied embedding
+    limits = iter([8, 0])
+    calls: list[int | None] = []
+
+    def tune(self, rounds: int = 3) -> int | None:
+        self.max_rows = int(os.environ[ROWS_ENV]) if ROWS_ENV in os.environ else next(limits)
+        calls.append(self.max_rows)
+        return self.max_rows
+
+    monkeypatch.setattr(GreedyHead, "tune", tune)
+    monkeypatch.setattr(model_module, "_GREEDY_HEAD_ROWS", {})
+    monkeypatch.delenv(ROWS_ENV, raising=False)
+    first = model._make_greedy_head(head, torch.float32, None)
+    again = model._make_greedy_head(head, torch.float32, None)
+    assert first.max_rows == again.max_rows == 8 and calls == [8]  # timed once
+    monkeypatch.setenv(ROWS_ENV, "5")
+    assert model._make_greedy_head(head, torch.float32, None).max_rows == 5 and calls == [8, 5]
+    assert model_module._GREEDY_HEAD_ROWS == {tuple(head.shape): 8}  # a setting is not kept for later loads
+    monkeypatch.delenv(ROWS_ENV)
+    monkeypatch.setattr(model_module, "_GREEDY_HEAD_ROWS", {})
+    assert model._make_greedy_head(head, torch.float32, None) is None  # the copy won at no row count
 
 
 @needs_kernels

@@ -7,6 +7,7 @@ fused into one matmul each.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,6 +21,9 @@ from kvstrata.worker import greedy_head
 from kvstrata.worker.linear import select_linear
 from kvstrata.worker.rope import RotaryEmbedding
 from kvstrata.worker.tensor_parallel import TPShard
+
+# the greedy head's row limit (GreedyHead.tune) by head shape, timed once per process
+_GREEDY_HEAD_ROWS: dict[tuple[int, ...], int | None] = {}
 
 
 @dataclass(slots=True)
@@ -243,5 +247,13 @@ class LlamaModel:
         if not greedy_head.wanted() or kernels is None or not greedy_head.available(kernels):
             return None
         made = greedy_head.GreedyHead(kernels, head, self.lm_head, kept=head is self.embed)
-        # up to how many rows it pays, where bf16 multiplies no faster than float32; none: not kept
-        return None if made.tune() == 0 else made
+        # up to how many rows it pays, where bf16 multiplies no faster than float32 (timed once per
+        # process and head shape, as the GEMM's switches are); none: not kept
+        shape = tuple(head.shape)
+        if greedy_head.ROWS_ENV in os.environ:
+            made.tune()  # the setting, untimed, and not kept for later loads
+        elif shape in _GREEDY_HEAD_ROWS:
+            made.max_rows = _GREEDY_HEAD_ROWS[shape]
+        else:
+            _GREEDY_HEAD_ROWS[shape] = made.tune()
+        return None if made.max_rows == 0 else made
