@@ -97,6 +97,31 @@ static inline __attribute__((always_inline)) vf load_weight(const void *w, int64
     return v;
 }
 
+/* AVX2 widens a group's bf16 weights (24 a k step) with 4 operations instead of 6: the first 16 in
+ * one load, widened by two unpacks against zero, which leave columns 0-3 and 8-11 in w[0] and 4-7
+ * and 12-15 in w[1] (as gemv_bf16_two_groups does), the last 8 by a widening load. The tile's sums
+ * of those two vectors are then in that order, and bf16_column_order swaps their middle halves
+ * (its own inverse) before they are stored. Each column's sum is the same chain of multiply-adds
+ * of the same values, so the bits do not change. */
+#if VW == 8 && defined(__AVX2__)
+#define UNPACKED_BF16 1
+static inline __attribute__((always_inline)) void unpack_bf16(vf w[NP], const uint16_t *p) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)p), zero = _mm256_setzero_si256();
+    w[0] = (vf)_mm256_unpacklo_epi16(zero, v);
+    w[1] = (vf)_mm256_unpackhi_epi16(zero, v);
+    w[2] = widen_bf16(p + 16);
+}
+
+static inline __attribute__((always_inline)) void bf16_column_order(vf acc[NP]) {
+    __m256 a = (__m256)acc[0], b = (__m256)acc[1];
+    acc[0] = (vf)_mm256_permute2f128_ps(a, b, 0x20);
+    acc[1] = (vf)_mm256_permute2f128_ps(a, b, 0x31);
+}
+#else
+#define UNPACKED_BF16 0
+static inline __attribute__((always_inline)) void bf16_column_order(vf acc[NP]) { (void)acc; }
+#endif
+
 static inline __attribute__((always_inline)) void micro(const float *x, int64_t k, const void *wp, int64_t g,
                                                         float *y, int64_t ldy, int mr, int ncols, int is_bf16,
                                                         int ahead, const char *next, int64_t next_step, int64_t k0,
@@ -104,14 +129,21 @@ static inline __attribute__((always_inline)) void micro(const float *x, int64_t 
     vf acc[MR][NP];
     UNROLL for (int i = 0; i < MR; i++)
         UNROLL for (int j = 0; j < NP; j++) acc[i][j] = (vf){0};
-    if (load) /* the sums of the k steps before k0, left in y by the turn before (whole groups only) */
+    if (load) { /* the sums of the k steps before k0, left in y by the turn before (whole groups only) */
         UNROLL for (int i = 0; i < mr; i++) memcpy(acc[i], y + i * ldy, sizeof acc[i]);
+        if (is_bf16) UNROLL for (int i = 0; i < mr; i++) bf16_column_order(acc[i]);
+    }
     int64_t base = g * k * NR;
     const char *pf = (const char *)wp + base * (is_bf16 ? 2 : 4) + AHEAD_BYTES(is_bf16 ? 2 : 4);
     int64_t pf_step = NR * (is_bf16 ? 2 : 4);
     for (int64_t kk = k0; kk < k1; kk++) {
         vf w[NP];
-        UNROLL for (int j = 0; j < NP; j++) w[j] = load_weight(wp, base + kk * NR + VW * j, is_bf16);
+#if UNPACKED_BF16
+        if (is_bf16)
+            unpack_bf16(w, (const uint16_t *)wp + base + kk * NR);
+        else
+#endif
+            UNROLL for (int j = 0; j < NP; j++) w[j] = load_weight(wp, base + kk * NR + VW * j, is_bf16);
         if (ahead)
             for (int64_t b = 0; b < pf_step; b += 64) __builtin_prefetch(pf + kk * pf_step + b, 0, AHEAD_HINT);
         if (next)
@@ -121,6 +153,7 @@ static inline __attribute__((always_inline)) void micro(const float *x, int64_t 
             UNROLL for (int j = 0; j < NP; j++) acc[i][j] += xv * w[j];
         }
     }
+    if (is_bf16) UNROLL for (int i = 0; i < mr; i++) bf16_column_order(acc[i]);
     if (ncols == NR) {
         UNROLL for (int i = 0; i < mr; i++) memcpy(y + i * ldy, acc[i], sizeof acc[i]);
     } else {
