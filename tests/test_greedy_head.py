@@ -124,6 +124,7 @@ def _tuned(monkeypatch, wins_up_to: int | None, dot: bool = False) -> tuple[int 
         return (1.0, 0.5) if wins_up_to is None or rows <= wins_up_to else (1.0, 1.5)
 
     monkeypatch.setattr(greedy, "_time_both", timed)
+    monkeypatch.setattr(KERNELS, "tune_wide_copy", lambda weights: True)
     monkeypatch.setattr(KERNELS, "amx", False)
     monkeypatch.setattr(KERNELS, "bf16_dot", dot)
     chosen = greedy.tune()

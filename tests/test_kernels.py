@@ -769,6 +769,58 @@ def test_two_groups_are_tuned_or_set_once_per_process(monkeypatch):
         KERNELS._lib.kvs_gemm_set_two_groups(restore)
 
 
+def _process_wide_copy() -> int:
+    """The wide-copy setting this process's kernels run with (tune_wide_copy's choice, else the C
+    default: on)."""
+    return int(True if KERNELS.wide_copy is None else KERNELS.wide_copy)
+
+
+@needs_kernels
+def test_widened_bf16_blocks_give_the_same_bits_with_or_without_a_float32_copy():
+    """Blocks of 4 row tiles and more (16 rows with AVX2, 32 with AVX-512) against widened bf16
+    weights multiply a float32 copy of each group, or widen the weights in every tile (AVX2: two
+    unpacks a load, the sums put back in column order): either way every product is the same bits,
+    with a last group short of columns and a last block of a few rows, and matches torch."""
+    if KERNELS.amx or KERNELS.bf16_dot:
+        pytest.skip("bf16 weights go to AMX tiles or dot products here, not the widening kernel")
+    gen = torch.Generator().manual_seed(33)
+    group = KERNELS.gemm_group
+    try:
+        for n, k in ((3 * group, 64), (2 * group + 5, 77), (group - 3, 200)):
+            w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+            packed = KERNELS.pack(w)
+            x = torch.randn(70, k, generator=gen)
+            for m in (8, 16, 20, 32, 40, 64, 70):
+                outs = []
+                for on in (0, 1):
+                    assert KERNELS._lib.kvs_gemm_set_wide_copy(on) == on
+                    outs.append(KERNELS.gemm(x[:m], packed, None))
+                assert torch.equal(outs[0], outs[1]), (n, k, m)
+                torch.testing.assert_close(outs[0], F.linear(x[:m], w.float()), rtol=1e-4, atol=1e-4 * k ** 0.5)
+    finally:
+        KERNELS._lib.kvs_gemm_set_wide_copy(_process_wide_copy())
+
+
+@needs_kernels
+def test_the_wide_copy_is_tuned_or_set_once_per_process(monkeypatch):
+    """Whether widened bf16 blocks multiply a float32 copy is timed once per process on bf16
+    weights, or set by KVSTRATA_GEMM_WIDE_COPY; a bad value is an error naming the variable, and
+    float32 weights (or none) leave the C default, on, without timing."""
+    from kvstrata.worker.cpu_kernels import CpuKernels
+
+    gen = torch.Generator().manual_seed(34)
+    bf16 = [KERNELS.pack(torch.randn(200, 96, generator=gen).to(torch.bfloat16)) for _ in range(3)]
+    restore = _process_wide_copy()
+    try:
+        _check_switch_env(monkeypatch, "KVSTRATA_GEMM_WIDE_COPY", "wide_copy", bf16, built=True)
+        assert CpuKernels(KERNELS._lib).tune_wide_copy([]) is True
+        assert CpuKernels(KERNELS._lib).tune_wide_copy([KERNELS.pack(torch.randn(200, 96, generator=gen))]) is True
+        timed = CpuKernels(KERNELS._lib).tune_wide_copy(bf16, rounds=1)
+        assert isinstance(timed, bool) and (timed is True or not (KERNELS.amx or KERNELS.bf16_dot))
+    finally:
+        KERNELS._lib.kvs_gemm_set_wide_copy(restore)
+
+
 @needs_kernels
 def test_bf16_products_on_the_widening_kernel_where_tiles_and_dot_products_are_switched_off(tmp_path):
     """KVSTRATA_AMX=0 and KVSTRATA_BF16_DOT=0 keep bf16 weights in the widening kernel's layout even

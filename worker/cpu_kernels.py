@@ -80,6 +80,8 @@ class CpuKernels:
         lib.kvs_gemm_set_turns.restype = None
         lib.kvs_gemm_set_two_groups.argtypes = [ctypes.c_int]  # one row, two groups at a time, where built
         lib.kvs_gemm_set_two_groups.restype = ctypes.c_int
+        lib.kvs_gemm_set_wide_copy.argtypes = [ctypes.c_int]  # widened bf16 through a float32 copy a group
+        lib.kvs_gemm_set_wide_copy.restype = ctypes.c_int
         # decode attention's value passes pull the next chunk's keys ahead (csrc/dense_decode.c): on
         # by default except on Intel CPUs; KVSTRATA_DECODE_KEY_AHEAD=0 or 1 sets it
         lib.kvs_decode_set_key_ahead.argtypes = [ctypes.c_int]
@@ -97,6 +99,7 @@ class CpuKernels:
         self.prefetch_rows: int | None = None  # set by tune_prefetch (the C default, 6, until then)
         self.turns: bool | None = None  # set by tune_turns (the C default, on with AVX-512, until then)
         self.two_groups: bool | None = None  # set by tune_two_groups (the C default, on where built, until then)
+        self.wide_copy: bool | None = None  # set by tune_wide_copy (the C default, on, until then)
         lib.kvs_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_add_rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_rms_norm_f32.restype = lib.kvs_add_rms_norm_f32.restype = None
@@ -397,6 +400,29 @@ class CpuKernels:
                                     self._lib.kvs_gemm_set_two_groups, "two groups at a time", rounds)
         self.two_groups = bool(self._lib.kvs_gemm_set_two_groups(int(chosen)))
         return self.two_groups
+
+    def tune_wide_copy(self, weights: list[PackedWeight], rounds: int = 5) -> bool:
+        """Whether blocks of 4 row tiles or more against widened bf16 weights (no AMX tiles or bf16
+        dot products) multiply a float32 copy of each group, widened once per block (csrc/gemm.c's
+        WIDE_MIN_TILES), or widen the weights in every tile, chosen once per process by timing a
+        pass over `weights` (a model's bf16 projections) at 4 tiles' rows both ways, alternating.
+        The copy paid on a Zen 1 EPYC (128-bit vector units: 1.08-1.20x at 16-64 rows); on a Zen 3
+        EPYC, whose AVX2 tiles widen with unpacks, it cost 1.19-1.23x at 16 rows. float32 weights
+        and bf16 on tiles or dot products keep it as it is without timing.
+        KVSTRATA_GEMM_WIDE_COPY=0 or 1 sets it without timing. Same results either way: the same
+        multiply-adds of the same values in the same order."""
+        if self.wide_copy is not None:
+            return self.wide_copy
+        env = "KVSTRATA_GEMM_WIDE_COPY"
+        applies = bool(weights) and weights[0].data.dtype == torch.bfloat16 and not (self.amx or self.bf16_dot)
+        if not applies and _switch_env(env) is None:
+            chosen = True  # untimed: the C default stays
+        else:
+            tile_rows = 8 if self.gemm_group == 48 else 4
+            chosen = self._timed_switch(env, applies, weights, 4 * tile_rows, self._lib.kvs_gemm_set_wide_copy,
+                                        "with a widened copy", rounds)
+        self.wide_copy = bool(self._lib.kvs_gemm_set_wide_copy(int(chosen)))
+        return self.wide_copy
 
     def _timed_switch(self, env: str, applies: bool, weights: list[PackedWeight], rows: int, set_option,
                       what: str, rounds: int) -> bool:

@@ -126,6 +126,7 @@ class GreedyHead:
         elif self._kernels.amx or self._kernels.bf16_dot:
             self.max_rows = None
         else:
+            self._kernels.tune_wide_copy([self.bf16])  # how its blocks of 16 rows and more widen (once a process)
             checked = self.checked
             self.max_rows = None
             last = 0

@@ -111,6 +111,8 @@ class LlamaModel:
             if dtype == torch.float32:  # and whether 9-32-row products take turns (float32 only)
                 kernels.tune_turns(panels)
             kernels.tune_two_groups(panels)  # and how one row streams (AVX2 builds)
+            if dtype == torch.bfloat16:  # and whether widened bf16 blocks multiply a float32 copy
+                kernels.tune_wide_copy(panels)
         self.greedy_head = self._make_greedy_head(head, dtype, shard)
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                     c.rope_scaling, dtype, device)

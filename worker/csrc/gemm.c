@@ -402,6 +402,15 @@ void kvs_gemm_set_prefetch_rows(int64_t rows) { prefetch_min_rows = rows < 2 ? 2
  * in the same order either way, so the outputs are the same bits. NULL where the copy cannot be had
  * (the tiles then widen as before). */
 #define WIDE_MIN_TILES 4
+/* On a 2-core Zen 3 EPYC, once its tiles widened with unpacks (unpack_bf16), the copy no longer paid:
+ * products at 16 rows took 1.19-1.23x as long with it, 32 rows 1.07-1.08x, 64-128 rows 0.99-1.05x
+ * (a model's bf16 projections, one build each way in one process, alternating; from memory and from
+ * cache alike). So the engine times both ways when bf16 weights load (CpuKernels.tune_wide_copy). */
+static int wide_copy_on = 1;
+int kvs_gemm_set_wide_copy(int on) {
+    wide_copy_on = on != 0;
+    return wide_copy_on;
+}
 
 typedef struct {
     int64_t capacity; /* floats */
@@ -549,7 +558,7 @@ static inline __attribute__((always_inline)) void tasks(const void *x, const voi
          * rows 1.25x slower */
         int ahead = m >= prefetch_min_rows;
         const char *next = g + 1 < groups && ahead && tiles > 1 ? (const char *)wp + (g + 1) * k * NR * elem : NULL;
-        const float *wide = mode == 1 && tiles >= WIDE_MIN_TILES ? widened_group(wp, g, k) : NULL;
+        const float *wide = mode == 1 && tiles >= WIDE_MIN_TILES && wide_copy_on ? widened_group(wp, g, k) : NULL;
         /* where the tiles leave their float32 sums: y itself, or the block's own buffer */
         int64_t ldt = form == Y_F32 ? n : NR;
         float *ty = form == Y_F32 ? (float *)y + b * MB * n + g * NR : sums;
