@@ -115,8 +115,8 @@ class GreedyHead:
         float32 head and its argmax against `tokens`, alternating, at 4, 8, 12, 16, 24, 32, 48 and 64
         rows in turn until the float32 head's median is the lower, and keeps the last count at which
         the copy won (None if it won at all of them, 0 if at none). On a 2-core Zen 3 EPYC (AVX2),
-        over three timings, the copy ran 1.5-2.2x faster at 1-4 rows, 1.07-1.58x at 8, 0.97-1.27x
-        at 12 and 0.89-1.04x at 16-32. The tokens are the same bits either way. KVSTRATA_GREEDY_HEAD_ROWS (a whole number) sets it
+        over five timings, the copy ran 1.5-2.2x faster at 1-4 rows, 0.92-1.65x at 8, 0.87-1.27x
+        at 12 and 0.87-1.04x at 16-32. The tokens are the same bits either way. KVSTRATA_GREEDY_HEAD_ROWS (a whole number) sets it
         without timing."""
         env = os.environ.get(ROWS_ENV)
         if env is not None:
