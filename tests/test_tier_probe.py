@@ -27,6 +27,30 @@ def test_probe_moves_real_blocks_and_leaves_nothing_behind(tmp_path):
     assert gb["read"] == pytest.approx(probe.median("read") / 1e9, abs=1e-3)
 
 
+def test_the_reference_moves_each_chunk_of_a_call_through_memory_of_its_own(tmp_path):
+    """RawFile with a span of two chunks: a call's chunks 0, 1, 2 come from (and go to) the buffer's
+    chunks 0, 1, 0, so a segment's bytes move through as much memory as the tier's burst holds, not
+    through one buffer warm in the caches."""
+    from kvstrata.cluster.bench.tier_probe import _CHUNK, RawFile
+
+    raw = RawFile(tmp_path / "raw", lambda: 0.0, span=_CHUNK + 1)
+    try:
+        if raw.move("w", 0, 3 * _CHUNK) is None:
+            pytest.skip("no O_DIRECT in the test's directory")
+        assert raw.chunks == 2 and raw.buf.numel() == 2 * _CHUNK
+        data = (tmp_path / "raw").read_bytes()
+        buf = raw.buf.numpy().tobytes()
+        assert data == buf[:_CHUNK] + buf[_CHUNK:] + buf[:_CHUNK]
+        raw.buf.zero_()
+        assert raw.move("r", _CHUNK, 2 * _CHUNK) is not None  # file chunks 1, 2 into buffer chunks 0, 1
+        assert raw.buf.numpy().tobytes() == data[_CHUNK:]
+    finally:
+        raw.close()
+    one = RawFile(tmp_path / "one", lambda: 0.0)
+    assert one.chunks == 1
+    one.close()
+
+
 def test_probe_of_a_quantized_layout(tmp_path):
     probe = probe_nvme_tier(tmp_path, (2, 2, 4, 40), torch.uint8, 10 * 640, rounds=1)
     assert probe.num_blocks == 10 and probe.rounds[0].read > 0
