@@ -15,7 +15,8 @@ into a new file beside new slab space, overwrites of that file beside reused slo
 beside the tier's reads. The chunks of a segment go from and to memory of their own, a buffer as
 large as the segment, as the tier's blocks do (a burst holds all of its blocks at once): through
 one 8 MB buffer, warm in the caches, this VM's disk read 5.0 GB/s against 4.07 into memory of
-its own (alternating, 270 MB each), which had made the reference a faster disk than the tier's. Each side's rate is its bytes over the sum of its own segments' times.
+its own (alternating, 270 MB each), which had made the reference a faster disk than the tier's.
+Each side's rate is its bytes over the sum of its own segments' times.
 This VM's disk swings between about 0.6 and 3.9 GB/s from one second to the next, so a reference
 taken before the tier, even moments before, was compared with another disk; in lockstep both sides
 see the same moments. The report quotes, for each kind of IO, the round whose ratio is the median.
