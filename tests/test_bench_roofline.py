@@ -143,9 +143,13 @@ def test_bench_roofline_cli_tiny(tmp_path):
 
     out = tmp_path / "roofline.json"
     r = kvstrata("bench", "roofline", "--quick", "--batches", "1,2", "--prompt-len", "20", "--steps", "2",
-                 "--dtypes", "float32", "--json", str(out))
+                 "--dtypes", "float32", "--stages", "--json", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(out.read_text())
+    stages = report["stages"]  # the layers' stages, timed in steps of their own
+    assert [p["batch"] for p in stages] == [1, 2]
+    assert all(p["stage_ms"]["decode_attention"] > 0 and p["step_ms"] > p["rest_ms"] > 0 for p in stages)
+    assert "where a decode step goes" in r.stdout
     assert report["peaks"]["read_bytes_per_s"] > 0
     rows = report["decode"]
     assert [row["batch"] for row in rows] == [1, 2]

@@ -36,6 +36,11 @@ def _switch_env(name: str) -> bool | None:
     return None if value is None else value == "1"
 
 
+# the fused layers' stages that time_layer_stages times, in csrc/layer.c's order (its Stage enum)
+LAYER_STAGES = ("qkv", "rope_kv", "decode_attention", "prefill_attention", "o_proj", "norms", "gate_up", "silu",
+                "down", "convert")
+
+
 class CpuKernels:
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
@@ -119,6 +124,12 @@ class CpuKernels:
                                    + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_void_p])
         lib.kvs_layers.restype = ctypes.c_int
         self.layers = lib.kvs_layers  # a step's layers in one call (csrc/layer.c)
+        lib.kvs_layers_time_stages.argtypes = [ctypes.c_void_p]
+        lib.kvs_layers_time_stages.restype = None
+        lib.kvs_layers_num_stages.restype = ctypes.c_int
+        if lib.kvs_layers_num_stages() != len(LAYER_STAGES):
+            raise RuntimeError(f"csrc/layer.c times {lib.kvs_layers_num_stages()} stages, "
+                               f"LAYER_STAGES names {len(LAYER_STAGES)}")
         lib.kvs_paged_prefill_takes.argtypes = [ctypes.c_int64] * 4
         lib.kvs_paged_prefill_takes.restype = ctypes.c_int
         lib.kvs_paged_prefill_f32.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
@@ -282,6 +293,15 @@ class CpuKernels:
         extra = _quantized_row_extra(k_cache, head_dim, code_table, int4_value_group)
         return self._lib.kvs_paged_prefill_quantized(*args, code_table.contiguous().data_ptr(), extra,
                                                      int4_value_group or 0) == 0
+
+    def time_layer_stages(self, seconds: ctypes.Array | None) -> None:
+        """From now on, add each stage's wall time in the fused layers (csrc/layer.c) to
+        seconds[i] (a ctypes array of len(LAYER_STAGES) doubles, named by LAYER_STAGES), until called
+        with None. The C side keeps one array for the process: one timer at a time, and the array must
+        outlive its use."""
+        if seconds is not None and len(seconds) != len(LAYER_STAGES):
+            raise ValueError(f"seconds must hold {len(LAYER_STAGES)} doubles, not {len(seconds)}")
+        self._lib.kvs_layers_time_stages(None if seconds is None else ctypes.addressof(seconds))
 
     def packed_numel(self, weight: torch.Tensor) -> int:
         """Elements of `weight` [N, K] once packed (what `pack` writes)."""

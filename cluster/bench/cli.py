@@ -65,12 +65,15 @@ def _add_roofline(bench_sub) -> None:
     p.add_argument("--dtypes", type=_dtype_list, default=("float32", "bfloat16"))
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--quick", action="store_true", help="small peak measurements (a smoke test, not a figure)")
+    p.add_argument("--stages", action="store_true",
+                   help="then time each stage of the decode steps' layers (CPU kernels only): where a step goes")
     p.add_argument("--json", type=Path, default=None, help="write the report as one JSON object")
     p.set_defaults(func=run_roofline_cmd)
 
 
 def run_roofline_cmd(args: argparse.Namespace) -> int:
     from kvstrata.cluster.bench.roofline import PeakProbe, bench_decode, decode_tokens_needed
+    from kvstrata.cluster.bench.step_stages import format_profiles, profile_decode_stages
     from kvstrata.worker.llm import LLM
 
     peaks = _measure_peaks(args.dtypes, args.quick)
@@ -79,7 +82,7 @@ def run_roofline_cmd(args: argparse.Namespace) -> int:
         backends = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in m.by_backend.items())
         print(f"matmul {d}: {m.flops_per_s / 1e9:.0f} GFLOP/s ({backends})")
     print(f"{'dtype':<10}{'batch':>6}{'context':>9}{'step ms':>10}{'bound ms':>10}{'bound':>9}{'ratio':>8}")
-    results = []
+    results, profiles = [], []
     max_batch = max(args.batches)
     for d in args.dtypes:
         max_len = args.prompt_len + decode_tokens_needed(max_batch, args.steps, args.prompt_len)
@@ -92,12 +95,20 @@ def run_roofline_cmd(args: argparse.Namespace) -> int:
             results.append(r)
             print(f"{d:<10}{r.batch:>6}{r.context_len:>9}{r.step_s * 1e3:>10.2f}{r.bound_s * 1e3:>10.2f}"
                   f"{r.bound_kind:>9}{r.ratio:>8.2f}")
+        if args.stages:  # apart from the timings above, whose steps follow peak probes
+            profiles += [profile_decode_stages(llm, d, b, args.prompt_len, args.steps) for b in args.batches]
         llm.close()
         del llm
         gc.collect()
+    if profiles:
+        print(f"where a decode step goes (ms a step, mean of {args.steps} steps back to back; rest: the LM head, "
+              f"sampling, scheduling and Python):")
+        print("\n".join(format_profiles(profiles)))
     if args.json:
-        args.json.write_text(json.dumps({"peaks": peaks.to_json(), "decode": [r.to_json() for r in results]},
-                                        indent=1))
+        report = {"peaks": peaks.to_json(), "decode": [r.to_json() for r in results]}
+        if profiles:
+            report["stages"] = [p.to_json() for p in profiles]
+        args.json.write_text(json.dumps(report, indent=1))
     return 0
 
 

@@ -19,9 +19,15 @@
  * in the same order, so the results are the same bits; what goes away is the Python and ctypes
  * work between them (about 30-40 us a layer). Pointers that stay for the whole model sit in a
  * LayerWeights, those of one step in a DecodeStep, so a call passes four pointers.
+ *
+ * While a caller has handed kvs_layers_time_stages an array, each stage's wall time is added to its
+ * slot (Stage below): where a step's time goes, read from the engine's own step rather than from a
+ * copy of it. Two clock reads a stage, about 20 calls a layer; off (NULL, the default), a branch.
  */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c11 */
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 
 void kvs_gemm_f32(const float *x, const float *wp, const float *bias, float *y, int64_t m, int64_t n, int64_t k);
 void kvs_rope_write_kv_f32(float *qkv, int64_t tokens, int64_t row, int64_t num_heads, int64_t num_kv_heads,
@@ -98,6 +104,34 @@ typedef struct {
 
 enum { KV_PLAIN = 0, KV_INT4 = 4 };
 
+/* The slots of kvs_layers_time_stages's array. Quantized K/V rows time their RoPE and write with
+ * the decode attention (one call does all three); CONVERT is bf16 rows widened for attention and
+ * its output rounded back. */
+typedef enum {
+    STAGE_QKV, STAGE_ROPE_KV, STAGE_DECODE_ATTENTION, STAGE_PREFILL_ATTENTION, STAGE_O_PROJ, STAGE_NORMS,
+    STAGE_GATE_UP, STAGE_SILU, STAGE_DOWN, STAGE_CONVERT, NUM_STAGES
+} Stage;
+
+static double *stage_seconds; /* set by one caller around the steps it times (the engine's step loop) */
+
+int kvs_layers_num_stages(void) { return NUM_STAGES; }
+void kvs_layers_time_stages(double *seconds) { stage_seconds = seconds; }
+
+static inline double clock_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Runs `call`, its time added to the stage's slot while timing is on. */
+#define TIMED(stage, call)                                                                                            \
+    do {                                                                                                              \
+        double *acc_ = stage_seconds;                                                                                 \
+        double t0_ = acc_ ? clock_seconds() : 0.0;                                                                    \
+        call;                                                                                                         \
+        if (acc_) acc_[stage] += clock_seconds() - t0_;                                                               \
+    } while (0)
+
 /* RoPE, the K/V write and attention of quantized rows: the rows rotated in place, then written from
  * there. Returns 0, or -1 when the int4 write found no memory for its scratch (nothing written). */
 static int quantized_attention(const DecodeStep *s, uint8_t *k_cache, uint8_t *v_cache) {
@@ -124,33 +158,38 @@ static int quantized_attention(const DecodeStep *s, uint8_t *k_cache, uint8_t *v
  * the shapes (the layer stops there; the caller checks both beforehand). */
 int kvs_layer_f32(const LayerWeights *w, const DecodeStep *s, void *k_cache, void *v_cache) {
     int64_t t = s->tokens, h = s->hidden;
-    kvs_gemm_f32(s->x, w->qkv, w->qkv_bias, s->qkv, t, s->qkv_n, h);
+    int rc = 0;
+    TIMED(STAGE_QKV, kvs_gemm_f32(s->x, w->qkv, w->qkv_bias, s->qkv, t, s->qkv_n, h));
     if (s->kv_kind == KV_PLAIN) {
-        kvs_rope_write_kv_f32(s->qkv, t, s->qkv_n, s->num_heads, s->num_kv_heads, s->head_dim, s->cos, s->ssin,
-                              k_cache, v_cache, s->slots);
+        TIMED(STAGE_ROPE_KV, kvs_rope_write_kv_f32(s->qkv, t, s->qkv_n, s->num_heads, s->num_kv_heads, s->head_dim,
+                                                   s->cos, s->ssin, k_cache, v_cache, s->slots));
         if (s->num_decodes)
-            kvs_paged_decode_f32(s->qkv, s->qkv_n, k_cache, v_cache, s->block_tables, s->seq_lens, s->attn,
-                                 s->num_decodes, s->num_heads, s->num_kv_heads, s->head_dim, s->block_size,
-                                 s->table_width, s->scale);
-        if (s->num_prefills &&
-            kvs_paged_prefill_f32(s->qkv, s->qkv_n, k_cache, v_cache, s->pf_tables, s->pf_width, s->pf_starts,
-                                  s->pf_counts, s->pf_ctxs, s->num_prefills, s->attn, s->num_heads * s->head_dim,
-                                  s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, s->scale))
-            return -2;
-    } else if (quantized_attention(s, k_cache, v_cache)) {
-        return -1;
+            TIMED(STAGE_DECODE_ATTENTION,
+                  kvs_paged_decode_f32(s->qkv, s->qkv_n, k_cache, v_cache, s->block_tables, s->seq_lens, s->attn,
+                                       s->num_decodes, s->num_heads, s->num_kv_heads, s->head_dim, s->block_size,
+                                       s->table_width, s->scale));
+        if (s->num_prefills)
+            TIMED(STAGE_PREFILL_ATTENTION,
+                  rc = kvs_paged_prefill_f32(s->qkv, s->qkv_n, k_cache, v_cache, s->pf_tables, s->pf_width,
+                                             s->pf_starts, s->pf_counts, s->pf_ctxs, s->num_prefills, s->attn,
+                                             s->num_heads * s->head_dim, s->num_heads, s->num_kv_heads, s->head_dim,
+                                             s->block_size, s->scale));
+        if (rc) return -2;
+    } else {
+        TIMED(STAGE_DECODE_ATTENTION, rc = quantized_attention(s, k_cache, v_cache));
+        if (rc) return -1;
     }
-    kvs_gemm_f32(s->attn, w->o_proj, NULL, s->o, t, h, s->num_heads * s->head_dim);
-    kvs_add_rms_norm_f32(s->o, s->residual, w->post_norm, s->x, t, h, s->eps);
-    kvs_gemm_f32(s->x, w->gate_up, NULL, s->gate_up, t, 2 * s->inter, h);
-    kvs_silu_mul_f32(s->gate_up, s->act, t, s->inter);
-    kvs_gemm_f32(s->act, w->down, NULL, s->o, t, h, s->inter);
+    TIMED(STAGE_O_PROJ, kvs_gemm_f32(s->attn, w->o_proj, NULL, s->o, t, h, s->num_heads * s->head_dim));
+    TIMED(STAGE_NORMS, kvs_add_rms_norm_f32(s->o, s->residual, w->post_norm, s->x, t, h, s->eps));
+    TIMED(STAGE_GATE_UP, kvs_gemm_f32(s->x, w->gate_up, NULL, s->gate_up, t, 2 * s->inter, h));
+    TIMED(STAGE_SILU, kvs_silu_mul_f32(s->gate_up, s->act, t, s->inter));
+    TIMED(STAGE_DOWN, kvs_gemm_f32(s->act, w->down, NULL, s->o, t, h, s->inter));
     if (w->next_norm != NULL) {
-        kvs_add_rms_norm_f32(s->o, s->residual, w->next_norm, s->x, t, h, s->eps);
+        TIMED(STAGE_NORMS, kvs_add_rms_norm_f32(s->o, s->residual, w->next_norm, s->x, t, h, s->eps));
     } else {
         float *residual = s->residual;
         const float *o = s->o;
-        for (int64_t i = 0; i < t * h; i++) residual[i] += o[i];
+        TIMED(STAGE_NORMS, for (int64_t i = 0; i < t * h; i++) residual[i] += o[i]);
     }
     return 0;
 }
@@ -182,26 +221,30 @@ static void gemm_bf16_rows(const DecodeStep *s, const uint16_t *x, const void *w
 /* Returns 0, or -2 when the prefill kernel does not take the shapes (the caller checks beforehand). */
 int kvs_layer_bf16(const LayerWeights *w, const DecodeStep *s, uint16_t *k_cache, uint16_t *v_cache) {
     int64_t t = s->tokens, h = s->hidden, q_size = s->num_heads * s->head_dim;
-    gemm_bf16_rows(s, s->x, w->qkv, w->qkv_bias, s->qkv, s->qkv_n, h);
-    kvs_rope_write_kv_bf16(s->qkv, t, s->qkv_n, s->num_heads, s->num_kv_heads, s->head_dim, s->cos, s->ssin, k_cache,
-                           v_cache, s->slots);
-    kvs_widen_bf16(s->qkv, s->qkv_n, s->wide_in, t, q_size);
+    int rc = 0;
+    TIMED(STAGE_QKV, gemm_bf16_rows(s, s->x, w->qkv, w->qkv_bias, s->qkv, s->qkv_n, h));
+    TIMED(STAGE_ROPE_KV, kvs_rope_write_kv_bf16(s->qkv, t, s->qkv_n, s->num_heads, s->num_kv_heads, s->head_dim,
+                                                s->cos, s->ssin, k_cache, v_cache, s->slots));
+    TIMED(STAGE_CONVERT, kvs_widen_bf16(s->qkv, s->qkv_n, s->wide_in, t, q_size));
     if (s->num_decodes)
-        kvs_paged_decode_bf16(s->wide_in, q_size, k_cache, v_cache, s->block_tables, s->seq_lens, s->wide_out,
-                              s->num_decodes, s->num_heads, s->num_kv_heads, s->head_dim, s->block_size,
-                              s->table_width, s->scale);
-    if (s->num_prefills &&
-        kvs_paged_prefill_bf16(s->wide_in, q_size, k_cache, v_cache, s->pf_tables, s->pf_width, s->pf_starts,
-                               s->pf_counts, s->pf_ctxs, s->num_prefills, s->wide_out, q_size, s->num_heads,
-                               s->num_kv_heads, s->head_dim, s->block_size, s->scale))
-        return -2;
-    kvs_narrow_bf16(s->wide_out, s->attn, t * q_size);
-    gemm_bf16_rows(s, s->attn, w->o_proj, NULL, s->o, h, q_size);
-    kvs_add_rms_norm_bf16(s->o, s->residual, w->post_norm, s->x, t, h, s->eps);
-    gemm_bf16_rows(s, s->x, w->gate_up, NULL, s->gate_up, 2 * s->inter, h);
-    kvs_silu_mul_bf16(s->gate_up, s->act, t, s->inter);
-    gemm_bf16_rows(s, s->act, w->down, NULL, s->o, h, s->inter);
-    kvs_add_rms_norm_bf16(s->o, s->residual, w->next_norm, s->x, t, h, s->eps); /* no next norm: the add alone */
+        TIMED(STAGE_DECODE_ATTENTION,
+              kvs_paged_decode_bf16(s->wide_in, q_size, k_cache, v_cache, s->block_tables, s->seq_lens, s->wide_out,
+                                    s->num_decodes, s->num_heads, s->num_kv_heads, s->head_dim, s->block_size,
+                                    s->table_width, s->scale));
+    if (s->num_prefills)
+        TIMED(STAGE_PREFILL_ATTENTION,
+              rc = kvs_paged_prefill_bf16(s->wide_in, q_size, k_cache, v_cache, s->pf_tables, s->pf_width,
+                                          s->pf_starts, s->pf_counts, s->pf_ctxs, s->num_prefills, s->wide_out, q_size,
+                                          s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, s->scale));
+    if (rc) return -2;
+    TIMED(STAGE_CONVERT, kvs_narrow_bf16(s->wide_out, s->attn, t * q_size));
+    TIMED(STAGE_O_PROJ, gemm_bf16_rows(s, s->attn, w->o_proj, NULL, s->o, h, q_size));
+    TIMED(STAGE_NORMS, kvs_add_rms_norm_bf16(s->o, s->residual, w->post_norm, s->x, t, h, s->eps));
+    TIMED(STAGE_GATE_UP, gemm_bf16_rows(s, s->x, w->gate_up, NULL, s->gate_up, 2 * s->inter, h));
+    TIMED(STAGE_SILU, kvs_silu_mul_bf16(s->gate_up, s->act, t, s->inter));
+    TIMED(STAGE_DOWN, gemm_bf16_rows(s, s->act, w->down, NULL, s->o, h, s->inter));
+    /* no next norm: the add alone */
+    TIMED(STAGE_NORMS, kvs_add_rms_norm_bf16(s->o, s->residual, w->next_norm, s->x, t, h, s->eps));
     return 0;
 }
 
