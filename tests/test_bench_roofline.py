@@ -148,7 +148,8 @@ def test_bench_roofline_cli_tiny(tmp_path):
     report = json.loads(out.read_text())
     stages = report["stages"]  # the layers' stages, timed in steps of their own
     assert [p["batch"] for p in stages] == [1, 2]
-    assert all(p["stage_ms"]["decode_attention"] > 0 and p["step_ms"] > p["rest_ms"] > 0 for p in stages)
+    assert all(p["stage_ms"]["decode_attention"] > 0 and p["lm_head_ms"] > 0 and p["step_ms"] > p["rest_ms"] > 0
+               for p in stages)
     assert "where a decode step goes" in r.stdout
     assert report["peaks"]["read_bytes_per_s"] > 0
     rows = report["decode"]

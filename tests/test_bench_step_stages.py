@@ -53,7 +53,10 @@ def test_profile_of_decode_steps_adds_up(llm):
     assert p.batch == 2 and 20 < p.context_len <= 20 + 2 + 2 + 2
     assert p.stage_ms["prefill_attention"] == 0  # every timed step decodes only
     assert all(p.stage_ms[s] > 0 for s in (*PRODUCTS, "decode_attention"))
-    assert 0 < p.layers_ms < p.step_ms and p.rest_ms > 0  # the LM head and sampling run outside the layers
+    assert p.lm_head_ms > 0 and p.rest_ms > 0  # the head and sampling run outside the layers
+    assert p.layers_ms + p.lm_head_ms < p.step_ms
+    model = llm.engine.runner.model
+    assert "greedy_tokens" not in vars(model) and "compute_logits" not in vars(model)  # the head's timers are gone
     c = llm.engine.config
     assert p.stage_bytes["qkv"] == c.num_layers * c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * 4
     assert p.gb_per_s("down") == pytest.approx(p.stage_bytes["down"] / p.stage_ms["down"] / 1e6)
@@ -79,11 +82,11 @@ def test_format_shows_the_stages_that_ran_and_their_rates():
     stage_ms = dict.fromkeys(LAYER_STAGES, 0.0)
     stage_ms.update(qkv=10.0, o_proj=5.0, gate_up=20.0, down=5.0, decode_attention=4.0, norms=1.0)
     byte_counts = {"qkv": 1e9, "o_proj": 1e8, "gate_up": 2e9, "down": 1e8, "decode_attention": 4e7}
-    p = StageProfile("float32", 8, 300, 50.0, stage_ms, byte_counts)
-    assert p.rest_ms == pytest.approx(5.0)
+    p = StageProfile("float32", 8, 300, 50.0, stage_ms, byte_counts, lm_head_ms=2.0)
+    assert p.rest_ms == pytest.approx(3.0)
     lines = format_profiles([p])
     assert "prefill_attention" not in lines[0] and "convert" not in lines[0] and "decode_attention" in lines[0]
-    assert lines[1].split()[-1] == "5.00"  # rest
+    assert lines[1].split()[-2:] == ["2.00", "3.00"]  # lm_head, rest
     rates = lines[-1]
     assert "qkv 100.0" in rates and "decode_attention 10.0" in rates
     assert rates.endswith(f"all products {3.2e9 / 40.0 / 1e6:.1f}")

@@ -101,8 +101,8 @@ def run_roofline_cmd(args: argparse.Namespace) -> int:
         del llm
         gc.collect()
     if profiles:
-        print(f"where a decode step goes (ms a step, mean of {args.steps} steps back to back; rest: the LM head, "
-              f"sampling, scheduling and Python):")
+        print(f"where a decode step goes (ms a step, mean of {args.steps} steps back to back; lm_head: the final "
+              f"norm, the head and a greedy head's argmax; rest: sampling, scheduling and Python):")
         print("\n".join(format_profiles(profiles)))
     if args.json:
         report = {"peaks": peaks.to_json(), "decode": [r.to_json() for r in results]}

@@ -1,8 +1,10 @@
 """Where a decode step's time goes: each stage of the engine's fused C layers, timed inside the
-engine's own steps (csrc/layer.c's stage timers), and the rest of the step (the LM head, sampling,
-scheduling and Python) as the step's wall time less the layers'.
+engine's own steps (csrc/layer.c's stage timers), the LM head (the final norm, the head's product and,
+for greedy rows, the argmax the greedy head fuses with it), and the rest of the step (sampling,
+scheduling, Python) as the step's wall time less those.
 
-    step = qkv + rope_kv + decode_attention + o_proj + norms + gate_up + silu + down + convert + rest
+    step = qkv + rope_kv + decode_attention + o_proj + norms + gate_up + silu + down + convert
+           + lm_head + rest
 
 The projections and the decode attention also get the rate at which they moved the bytes they
 must read (their weights; the K/V of every key attended), to set beside the machine's measured
@@ -12,6 +14,8 @@ read bandwidth: a stage well below it waits on something other than memory.
 from __future__ import annotations
 
 import ctypes
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvstrata.cluster.bench.roofline import ModelCost, time_decode_steps
@@ -28,6 +32,7 @@ class StageProfile:
     step_ms: float  # mean of the timed steps
     stage_ms: dict[str, float]  # mean a step, LAYER_STAGES order
     stage_bytes: dict[str, float]  # bytes the stage must read a step (projections, decode attention)
+    lm_head_ms: float = 0.0  # mean a step: the final norm, the head, a greedy head's argmax
 
     @property
     def layers_ms(self) -> float:
@@ -35,8 +40,8 @@ class StageProfile:
 
     @property
     def rest_ms(self) -> float:
-        """The step outside the layers: LM head, sampling, scheduling, Python."""
-        return self.step_ms - self.layers_ms
+        """The step outside the layers and the head: sampling, scheduling, Python."""
+        return self.step_ms - self.layers_ms - self.lm_head_ms
 
     def gb_per_s(self, stage: str) -> float | None:
         ms = self.stage_ms[stage]
@@ -44,7 +49,8 @@ class StageProfile:
 
     def to_json(self) -> dict:
         return {"dtype": self.dtype, "batch": self.batch, "context_len": self.context_len,
-                "step_ms": round(self.step_ms, 3), "rest_ms": round(self.rest_ms, 3),
+                "step_ms": round(self.step_ms, 3), "lm_head_ms": round(self.lm_head_ms, 3),
+                "rest_ms": round(self.rest_ms, 3),
                 "stage_ms": {k: round(v, 3) for k, v in self.stage_ms.items()},
                 "gb_per_s": {k: round(self.gb_per_s(k), 2) for k in self.stage_bytes if self.gb_per_s(k)}}
 
@@ -68,21 +74,51 @@ def profile_decode_stages(llm, dtype: str, batch: int, prompt_len: int, num_step
     if kernels is None or getattr(llm.engine.runner.model, "fused_decode", None) is None:
         raise ValueError("stage timing needs the fused CPU layers (csrc/layer.c), which this engine does not run")
     seconds = (ctypes.c_double * len(LAYER_STAGES))()
-    marks: list[list[float]] = []
+    head = [0.0]
+    marks: list[tuple[list[float], float]] = []
+
+    def mark() -> None:
+        marks.append((seconds[:], head[0]))
+
     kernels.time_layer_stages(seconds)
     try:
-        steps = time_decode_steps(llm, batch, prompt_len, num_steps, between_steps=lambda: marks.append(seconds[:]))
-        marks.append(seconds[:])
+        with _timed_head(llm.engine.runner.model, head):
+            steps = time_decode_steps(llm, batch, prompt_len, num_steps, between_steps=mark)
+            mark()
     finally:
         kernels.time_layer_stages(None)
-    stage_s = [b - a for a, b in zip(marks[0], marks[-1])]
+    stage_s = [b - a for a, b in zip(marks[0][0], marks[-1][0])]
     if not any(stage_s):
         raise ValueError("the timed steps did not run through the fused CPU layers; nothing was timed")
     n = len(steps)
     keys = sum(k for _, k in steps) / n
     return StageProfile(dtype, batch, round(keys / batch), 1e3 * sum(s for s, _ in steps) / n,
                         {name: 1e3 * s / n for name, s in zip(LAYER_STAGES, stage_s)},
-                        stage_bytes(ModelCost(llm.engine.config, dtype), keys))
+                        stage_bytes(ModelCost(llm.engine.config, dtype), keys),
+                        1e3 * (marks[-1][1] - marks[0][1]) / n)
+
+
+@contextmanager
+def _timed_head(model, total: list[float]):
+    """The model's two ways to the head (ModelRunner.execute calls one or both a step) timed into
+    total[0], by wrappers set on the instance for the block and removed after it."""
+    def timed(fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total[0] += time.perf_counter() - t0
+        return call
+
+    names = ("greedy_tokens", "compute_logits")
+    for name in names:
+        setattr(model, name, timed(getattr(model, name)))
+    try:
+        yield
+    finally:
+        for name in names:
+            delattr(model, name)
 
 
 def format_profiles(profiles: list[StageProfile]) -> list[str]:
@@ -91,11 +127,11 @@ def format_profiles(profiles: list[StageProfile]) -> list[str]:
         return []
     shown = [s for s in LAYER_STAGES if any(p.stage_ms[s] > 0 for p in profiles)]
     head = f"{'dtype':<10}{'batch':>6}{'step':>8}" + "".join(f"{s:>{max(8, len(s) + 1)}}" for s in shown)
-    lines = [head + f"{'rest':>8}"]
+    lines = [head + f"{'lm_head':>8}{'rest':>8}"]
     for p in profiles:
         row = f"{p.dtype:<10}{p.batch:>6}{p.step_ms:>8.2f}"
         row += "".join(f"{p.stage_ms[s]:>{max(8, len(s) + 1)}.2f}" for s in shown)
-        lines.append(row + f"{p.rest_ms:>8.2f}")
+        lines.append(row + f"{p.lm_head_ms:>8.2f}{p.rest_ms:>8.2f}")
     lines.append("GB/s of the bytes each stage must read (weights; the K/V of every key attended):")
     for p in profiles:
         rates = ", ".join(f"{s} {p.gb_per_s(s):.1f}" for s in (*PROJECTIONS, "decode_attention") if p.gb_per_s(s))
