@@ -690,6 +690,34 @@ def test_row_tiles_taking_turns_on_a_group_give_the_same_bits():
 
 
 @needs_kernels
+def test_row_panels_give_the_same_bits():
+    """From two blocks of rows on, the GEMM's tasks run group by group within panels of blocks (as
+    many as half the L2 holds of x) instead of block by block: the same tiles in another order, so
+    every product is the same bits either way, float32 and bf16 weights, with a short last block
+    and several panels where x is large, and matches torch."""
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(300, 1536, generator=gen)
+    raw = {k: torch.randn(100, k, generator=gen) for k in (64, 600, 1536)}
+    weights = [(k, KERNELS.pack(w)) for k, w in raw.items()]
+    weights += [(k, KERNELS.pack(w.bfloat16())) for k, w in raw.items() if k != 1536]
+    shapes = [(m, k, w) for m in (1, 8, 65, 130, 260, 300) for k, w in weights]
+    try:
+        outs = {}
+        for on in (0, 1):
+            KERNELS._lib.kvs_gemm_set_row_panels(on)
+            outs[on] = [KERNELS.gemm(x[:m, :k].contiguous(), w, None) for m, k, w in shapes]
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
+        for got, (m, k, w) in zip(outs[1], shapes):
+            xr, wr = x[:m, :k], raw[k]
+            if w.data.dtype == torch.bfloat16:  # AMX tiles and dot products take x rounded to bf16
+                xr, wr = (xr.bfloat16().float() if KERNELS.amx or KERNELS.bf16_dot else xr), wr.bfloat16().float()
+            torch.testing.assert_close(got, F.linear(xr, wr), rtol=1e-4, atol=1e-4 * k ** 0.5)
+            assert torch.equal(got[-1:], KERNELS.gemm(x[m - 1 : m, :k].contiguous(), w, None))  # alone, the same
+    finally:
+        KERNELS._lib.kvs_gemm_set_row_panels(1)
+
+
+@needs_kernels
 def test_gemm_turns_are_tuned_or_set_once_per_process(monkeypatch):
     """Whether float32 blocks take turns is timed once per process at 16 rows, or set by
     KVSTRATA_GEMM_TURNS; a bad value is an error naming the variable, and builds without AVX-512 and

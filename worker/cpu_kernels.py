@@ -83,6 +83,8 @@ class CpuKernels:
         lib.kvs_gemm_set_prefetch_rows.restype = None
         lib.kvs_gemm_set_turns.argtypes = [ctypes.c_int]  # float32 tiles in turns on/off (csrc/gemm.c's TURN_K)
         lib.kvs_gemm_set_turns.restype = None
+        lib.kvs_gemm_set_row_panels.argtypes = [ctypes.c_int]  # tasks group by group within panels of rows, or not
+        lib.kvs_gemm_set_row_panels.restype = None
         lib.kvs_gemm_set_two_groups.argtypes = [ctypes.c_int]  # one row, two groups at a time, where built
         lib.kvs_gemm_set_two_groups.restype = ctypes.c_int
         lib.kvs_gemm_set_wide_copy.argtypes = [ctypes.c_int]  # widened bf16 through a float32 copy a group
