@@ -84,7 +84,7 @@ def test_bench_throughput_cli_tiny(tmp_path, capsys, monkeypatch, hf_reference):
     monkeypatch.setattr(throughput, "load_hf_model", session_copy)
     out = tmp_path / "tp.json"
     assert main(["bench", "throughput", "--workload", "random", "--num-requests", "2",
-                 "--baseline", "hf", "--hf-modes", "generate", "--no-bound", "--json", str(out)]) == 0
+                 "--baseline", "hf", "--hf-modes", "generate", "--no-bound", "--stages", "--json", str(out)]) == 0
     assert asked == [("smollm2-135m", "float32")]
     stdout = capsys.readouterr().out
     report = json.loads(out.read_text())
@@ -99,6 +99,10 @@ def test_bench_throughput_cli_tiny(tmp_path, capsys, monkeypatch, hf_reference):
     steps = report["kvstrata"]["step_profile"]
     assert steps["with_prompt_tokens"]["prompt_tokens"] == report["kvstrata"]["prompt_tokens"]  # nothing cached
     assert "decode-only:" in stdout and "kvstrata steps:" in stdout
+    stages = steps["stages_ms_per_step"]  # --stages: the fused layers' stages by kind of step
+    assert stages["with_prompt_tokens"]["prefill_attention"] > 0 and stages["decode_only"]["prefill_attention"] == 0
+    assert stages["decode_only"]["decode_attention"] > 0 and stages["decode_only"]["lm_head"] > 0
+    assert "decode only, ms a step:" in stdout
 
 
 def test_bench_throughput_samples_when_asked(tmp_path, capsys, monkeypatch, hf_reference):
@@ -118,7 +122,7 @@ def test_bench_throughput_samples_when_asked(tmp_path, capsys, monkeypatch, hf_r
     engines = []
     run = throughput.run_kvstrata
 
-    def kvstrata_run(llm, workload, clock=time.perf_counter, decoding=throughput.GREEDY):
+    def kvstrata_run(llm, workload, clock=time.perf_counter, decoding=throughput.GREEDY, **kwargs):
         engines.append(llm.engine)
         seen = []
         add = llm.engine.add_request
@@ -130,7 +134,7 @@ def test_bench_throughput_samples_when_asked(tmp_path, capsys, monkeypatch, hf_r
 
         llm.engine.add_request = recording_add
         try:
-            return run(llm, workload, clock, decoding)
+            return run(llm, workload, clock, decoding, **kwargs)
         finally:
             del llm.engine.add_request
             engines.append(seen)

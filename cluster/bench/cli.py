@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 from pathlib import Path
@@ -143,6 +144,8 @@ def _add_throughput(bench_sub) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the report as one JSON object")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart (needs matplotlib)")
     p.add_argument("--no-bound", action="store_true", help="skip measuring the machine's peaks and the roofline bound")
+    p.add_argument("--stages", action="store_true",
+                   help="time each stage of kvstrata's steps (CPU kernels only), by prompt and decode-only steps")
     p.add_argument("--quick", action="store_true", help="small peak measurements (a smoke test, not a figure)")
     p.add_argument("--ablate-prefix-caching", action="store_true",
                    help="instead: run kvstrata with prefix caching on and off, in lockstep, on --repeats fresh "
@@ -165,6 +168,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         run_hf_static,
         run_kvstrata,
     )
+    from kvstrata.cluster.bench.step_stages import StageClock
     from kvstrata.cluster.bench.workloads import WORKLOADS
     from kvstrata.worker.llm import LLM
 
@@ -184,8 +188,9 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         llm.reset_prefix_cache()  # every round starts cold, so hits come from the workload alone
         # peaks measured just before and just after the run; the bound uses the better of the two
         before = None if args.no_bound else _measure_peaks((args.dtype,), args.quick)
-        report = ThroughputReport(workload.name, run_kvstrata(llm, workload, decoding=decoding),
-                                  scheduling=args.scheduling, decoding=decoding)
+        with StageClock(llm) if args.stages else contextlib.nullcontext() as stage_clock:
+            result = run_kvstrata(llm, workload, decoding=decoding, stage_clock=stage_clock)
+        report = ThroughputReport(workload.name, result, scheduling=args.scheduling, decoding=decoding)
         if before is not None:
             report.bound = _workload_bound(llm, workload, args.dtype, [before, _measure_peaks((args.dtype,), args.quick)])
         if args.baseline == "hf" and hf is None:

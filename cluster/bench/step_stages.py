@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvstrata.cluster.bench.roofline import ModelCost, time_decode_steps
@@ -66,59 +65,62 @@ def stage_bytes(cost: ModelCost, keys: float) -> dict[str, float]:
     return out
 
 
+class StageClock:
+    """While entered: the fused layers' stage timers on (CpuKernels.time_layer_stages) and the model's
+    two ways to the head (ModelRunner.execute calls one or both a step) timed by wrappers set on the
+    model instance, removed on exit. `read()` gives the running totals in seconds, in NAMES order.
+    ValueError where the engine's steps do not run through the fused C layers (no CPU kernels, a
+    GPU): there is nothing to time. One clock at a time in a process."""
+
+    NAMES = (*LAYER_STAGES, "lm_head")
+    _HEAD_CALLS = ("greedy_tokens", "compute_logits")
+
+    def __init__(self, llm):
+        self._kernels, self._model = llm.engine.runner.cpu_kernels, llm.engine.runner.model
+        if self._kernels is None or getattr(self._model, "fused_decode", None) is None:
+            raise ValueError("stage timing needs the fused CPU layers (csrc/layer.c), which this engine does not run")
+        self._seconds = (ctypes.c_double * len(LAYER_STAGES))()
+        self._head = 0.0
+
+    def read(self) -> list[float]:
+        return [*self._seconds[:], self._head]
+
+    def __enter__(self) -> StageClock:
+        for name in self._HEAD_CALLS:
+            setattr(self._model, name, self._timed(getattr(self._model, name)))
+        self._kernels.time_layer_stages(self._seconds)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._kernels.time_layer_stages(None)
+        for name in self._HEAD_CALLS:
+            delattr(self._model, name)
+
+    def _timed(self, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._head += time.perf_counter() - t0
+        return call
+
+
 def profile_decode_stages(llm, dtype: str, batch: int, prompt_len: int, num_steps: int) -> StageProfile:
     """`num_steps` decode steps of `batch` sequences (roofline.time_decode_steps), each stage of their
-    layers timed. ValueError where the steps do not run through the fused C layers (no CPU
-    kernels, tensor parallelism, a GPU): there is nothing to time."""
-    kernels = llm.engine.runner.cpu_kernels
-    if kernels is None or getattr(llm.engine.runner.model, "fused_decode", None) is None:
-        raise ValueError("stage timing needs the fused CPU layers (csrc/layer.c), which this engine does not run")
-    seconds = (ctypes.c_double * len(LAYER_STAGES))()
-    head = [0.0]
-    marks: list[tuple[list[float], float]] = []
-
-    def mark() -> None:
-        marks.append((seconds[:], head[0]))
-
-    kernels.time_layer_stages(seconds)
-    try:
-        with _timed_head(llm.engine.runner.model, head):
-            steps = time_decode_steps(llm, batch, prompt_len, num_steps, between_steps=mark)
-            mark()
-    finally:
-        kernels.time_layer_stages(None)
-    stage_s = [b - a for a, b in zip(marks[0][0], marks[-1][0])]
+    layers timed (StageClock, whose ValueError it passes on)."""
+    marks: list[list[float]] = []
+    with StageClock(llm) as clock:
+        steps = time_decode_steps(llm, batch, prompt_len, num_steps, between_steps=lambda: marks.append(clock.read()))
+        marks.append(clock.read())
+    *stage_s, head_s = (b - a for a, b in zip(marks[0], marks[-1]))
     if not any(stage_s):
         raise ValueError("the timed steps did not run through the fused CPU layers; nothing was timed")
     n = len(steps)
     keys = sum(k for _, k in steps) / n
     return StageProfile(dtype, batch, round(keys / batch), 1e3 * sum(s for s, _ in steps) / n,
                         {name: 1e3 * s / n for name, s in zip(LAYER_STAGES, stage_s)},
-                        stage_bytes(ModelCost(llm.engine.config, dtype), keys),
-                        1e3 * (marks[-1][1] - marks[0][1]) / n)
-
-
-@contextmanager
-def _timed_head(model, total: list[float]):
-    """The model's two ways to the head (ModelRunner.execute calls one or both a step) timed into
-    total[0], by wrappers set on the instance for the block and removed after it."""
-    def timed(fn):
-        def call(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                total[0] += time.perf_counter() - t0
-        return call
-
-    names = ("greedy_tokens", "compute_logits")
-    for name in names:
-        setattr(model, name, timed(getattr(model, name)))
-    try:
-        yield
-    finally:
-        for name in names:
-            delattr(model, name)
+                        stage_bytes(ModelCost(llm.engine.config, dtype), keys), 1e3 * head_s / n)
 
 
 def format_profiles(profiles: list[StageProfile]) -> list[str]:

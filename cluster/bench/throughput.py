@@ -29,6 +29,8 @@ class StepProfile:
     bound that assumes every weight read overlaps with useful compute."""
 
     steps: list[tuple[float, int, int]] = field(repr=False)  # (seconds, decode rows, prefill tokens)
+    # with a StageClock: per kind of step ("with_prompt_tokens", "decode_only"), seconds a stage
+    stage_seconds: dict[str, dict[str, float]] | None = field(default=None, repr=False)
 
     def summary(self) -> dict[str, Any]:
         prefill = [s for s in self.steps if s[2] > 0]
@@ -40,13 +42,26 @@ class StepProfile:
                 label = str(lo) if lo == hi else f"{lo}-{hi}" if hi else f"{lo}+"
                 buckets.append({"rows": label, "steps": len(times), "seconds": round(sum(times), 3),
                                 "ms_per_step_p50": round(percentile(times, 50) * 1e3, 2)})
-        return {
+        out = {
             "steps": len(self.steps),
             "seconds": round(sum(t for t, _, _ in self.steps), 3),
             "with_prompt_tokens": {"steps": len(prefill), "seconds": round(sum(t for t, _, _ in prefill), 3),
                                    "prompt_tokens": sum(p for _, _, p in prefill)},
             "decode_only": buckets,
         }
+        if self.stage_seconds is not None:
+            out["stages_ms_per_step"] = {kind: self._stages_per_step(steps, self.stage_seconds[kind])
+                                         for kind, steps in (("with_prompt_tokens", prefill), ("decode_only", decode))
+                                         if steps}
+        return out
+
+    @staticmethod
+    def _stages_per_step(steps: list[tuple[float, int, int]], seconds: dict[str, float]) -> dict[str, float]:
+        """ms a step of each stage, and of the rest of those steps (sampling, scheduling, Python)."""
+        n = len(steps)
+        ms = {name: round(1e3 * s / n, 3) for name, s in seconds.items()}
+        ms["rest"] = round(1e3 * (sum(t for t, _, _ in steps) - sum(seconds.values())) / n, 3)
+        return ms
 
 
 @dataclass(frozen=True)
@@ -168,7 +183,8 @@ def submit_requests(engine: Any, workload: Workload, prefix: str, decoding: Deco
 
 
 def run_kvstrata(llm: Any, workload: Workload, clock: Callable[[], float] = time.perf_counter,
-                 decoding: Decoding = GREEDY) -> RunResult:
+                 decoding: Decoding = GREEDY, stage_clock: Any = None) -> RunResult:
+    """With an entered step_stages.StageClock, each step's stages are added up by kind of step."""
     engine = llm.engine
     _warm_up_kvstrata(llm)
     queried0, hit0 = engine.kv.num_prompt_tokens_queried, engine.kv.num_prompt_tokens_hit
@@ -180,11 +196,18 @@ def run_kvstrata(llm: Any, workload: Workload, clock: Callable[[], float] = time
     steps: list[tuple[float, int, int]] = []
     output_tokens = 0
     stats = engine.stats
+    stage_seconds = None if stage_clock is None else {kind: dict.fromkeys(stage_clock.NAMES, 0.0)
+                                                      for kind in ("with_prompt_tokens", "decode_only")}
     while engine.has_unfinished_requests():
+        marks = stage_clock.read() if stage_clock is not None else None
         num_steps, t0 = stats.num_steps, clock()
         finished = engine.step()
         if stats.num_steps > num_steps:  # a batch ran (not a step spent waiting for tier loads)
             steps.append((clock() - t0, stats.last_step_decodes, stats.last_step_prefill_tokens))
+            if stage_seconds is not None:
+                totals = stage_seconds["with_prompt_tokens" if stats.last_step_prefill_tokens else "decode_only"]
+                for name, a, b in zip(stage_clock.NAMES, marks, stage_clock.read()):
+                    totals[name] += b - a
         for out in finished:
             latencies.append(clock() - start)
             output_tokens += len(out.outputs[0].token_ids)
@@ -193,7 +216,7 @@ def run_kvstrata(llm: Any, workload: Workload, clock: Callable[[], float] = time
     queried = engine.kv.num_prompt_tokens_queried - queried0
     hit = engine.kv.num_prompt_tokens_hit - hit0
     return RunResult("kvstrata", wall, len(workload.requests), workload.num_prompt_tokens, output_tokens,
-                     latencies, hit / queried if queried else 0.0, StepProfile(steps),
+                     latencies, hit / queried if queried else 0.0, StepProfile(steps, stage_seconds),
                      stats.num_draft_tokens - drafted0, stats.num_accepted_draft_tokens - accepted0)
 
 
@@ -363,9 +386,12 @@ def format_step_profile(p: dict[str, Any]) -> list[str]:
     pre = p["with_prompt_tokens"]
     cells = [f"{b['rows']} rows: {b['steps']} steps, {b['seconds']:.2f} s ({b['ms_per_step_p50']:.1f} ms p50)"
              for b in p["decode_only"]]
-    return [f"kvstrata steps: {p['steps']} in {p['seconds']:.2f} s; with prompt tokens: {pre['steps']} steps, "
-            f"{pre['seconds']:.2f} s ({pre['prompt_tokens']} tokens)",
-            "  decode-only: " + ("; ".join(cells) if cells else "none")]
+    lines = [f"kvstrata steps: {p['steps']} in {p['seconds']:.2f} s; with prompt tokens: {pre['steps']} steps, "
+             f"{pre['seconds']:.2f} s ({pre['prompt_tokens']} tokens)",
+             "  decode-only: " + ("; ".join(cells) if cells else "none")]
+    for kind, ms in p.get("stages_ms_per_step", {}).items():
+        lines.append(f"  {kind.replace('_', ' ')}, ms a step: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items() if v))
+    return lines
 
 
 @dataclass(frozen=True)
