@@ -197,8 +197,11 @@ class ModelCost:
         self.elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
         kv_elem = torch.empty((), dtype=DTYPES[kv_dtype or dtype]).element_size()
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-        self.projection_params = c.num_layers * per_layer
+        # one layer's parameters in each projection (the fused q/k/v and gate/up as the engine packs them)
+        self.layer_params = {"qkv": c.hidden_size * (q + 2 * kv), "o_proj": q * c.hidden_size,
+                             "gate_up": 2 * c.hidden_size * c.intermediate_size,
+                             "down": c.intermediate_size * c.hidden_size}
+        self.projection_params = c.num_layers * sum(self.layer_params.values())
         self.head_params = c.vocab_size * c.hidden_size
         self.attention_flops_per_key = 4 * c.num_layers * c.num_heads * c.head_dim
         self.kv_bytes_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * kv_elem

@@ -56,11 +56,7 @@ class StageProfile:
 
 def stage_bytes(cost: ModelCost, keys: float) -> dict[str, float]:
     """Bytes each projection's weights and the decode attention's K/V take a step, `keys` attended in all."""
-    c = cost.config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    params = {"qkv": c.hidden_size * (q + 2 * kv), "o_proj": q * c.hidden_size,
-              "gate_up": 2 * c.hidden_size * c.intermediate_size, "down": c.intermediate_size * c.hidden_size}
-    out = {name: float(c.num_layers * n * cost.elem) for name, n in params.items()}
+    out = {name: float(cost.config.num_layers * n * cost.elem) for name, n in cost.layer_params.items()}
     out["decode_attention"] = keys * cost.kv_bytes_per_token
     return out
 
