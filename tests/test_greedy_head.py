@@ -1,5 +1,5 @@
-"""The greedy head (worker/greedy_head.py, csrc/greedy_head.c): a float32 model's greedy tokens from a bf16
-copy of the head, the same tokens the float32 logits' argmax gives."""
+"""The greedy head (worker/greedy_head.py, csrc/greedy_head.c): a float32 model's greedy tokens from an int8
+or bf16 copy of the head, the same tokens the float32 logits' argmax gives."""
 
 from __future__ import annotations
 
@@ -14,6 +14,15 @@ from kvstrata.worker.cpu_kernels import load_cpu_kernels
 KERNELS = load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None or not greedy_head.available(KERNELS),
                                    reason="no C compiler, or no fused multiply-adds")
+needs_int8 = pytest.mark.skipif(KERNELS is None or not greedy_head.available(KERNELS)
+                                or not greedy_head.int8_available(KERNELS), reason="no AVX-512 VNNI in this build")
+COPIES = ["bf16", pytest.param("int8", marks=needs_int8)]
+
+
+@pytest.fixture
+def copy_env(monkeypatch):
+    """Sets KVSTRATA_GREEDY_HEAD_COPY for the GreedyHeads a test makes."""
+    return lambda copy: monkeypatch.setenv(greedy_head.COPY_ENV, copy)
 
 
 def _head(vocab: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,9 +55,10 @@ def _reference(x: torch.Tensor, packed) -> torch.Tensor:
 @pytest.mark.parametrize("kept", [True, False])  # the float32 rows read from the head itself, or the packed copy
 # a last group of the head part empty, an odd width (the bf16 pairs padded), a tail past the last vector and block
 @pytest.mark.parametrize("vocab,k", [(1000, 576), (1000, 63), (49152 + 7, 576)])
-def test_greedy_tokens_are_the_float32_logits_argmax(kept, vocab, k):
+def test_greedy_tokens_are_the_float32_logits_argmax(kept, vocab, k, copy_env):
     from kvstrata.worker.greedy_head import GreedyHead
 
+    copy_env("bf16")
     head, x = _head(vocab, k, seed=vocab + k)
     packed = KERNELS.pack(head)
     greedy = GreedyHead(KERNELS, head, packed, kept=kept)
@@ -67,10 +77,99 @@ def test_greedy_tokens_are_the_float32_logits_argmax(kept, vocab, k):
         assert torch.equal(greedy.tokens(xs), _reference(xs, packed))
 
 
-@needs_kernels
-def test_a_row_with_a_non_finite_value_is_left_to_the_float32_head():
+def _int8_head(vocab: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A head [vocab, k] and rows x [24, k], the first 8 of which pick token 1 in float32 while the int8
+    copy puts token 0 ahead, by more than any bound without the copy's own error (|x| |e_j|) allows.
+    Both rows hold M = 127 s at column 0 (x is 0 there), so both scale by s; over the next p columns
+    row 0 holds 0.51 s (code 1) and row 1 0.49 s (code 0), over the p after them row 0 holds 0 and row
+    1 0.49 s (code 0). Where x is 1 on those 2p columns, the codes give token 0 p s and token 1
+    nothing, while the float32 logits are 0.51 p s and 0.98 p s. The other rows are small."""
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randn(vocab, k, generator=gen) * 1e-3
+    p, big = (k - 1) // 2, 0.5
+    s = big / 127
+    head[0:2] = 0.0
+    head[0:2, 0] = big
+    head[0, 1:1 + p] = 0.51 * s
+    head[1, 1:1 + 2 * p] = 0.49 * s
+    x = torch.randn(24, k, generator=gen)
+    x[:8] = 0.0
+    x[:8, 1:1 + 2 * p] = 1.0 + torch.rand(8, 2 * p, generator=gen) * 1e-3
+    return head, x
+
+
+@needs_int8
+@pytest.mark.parametrize("kept", [True, False])
+# a tail past the last vector of a tile, k not a whole number of quads, a tail past the last tile and block
+@pytest.mark.parametrize("vocab,k", [(1000, 576), (1000, 63), (49152 + 7, 576)])
+def test_int8_copy_tokens_are_the_float32_logits_argmax(kept, vocab, k, copy_env):
     from kvstrata.worker.greedy_head import GreedyHead
 
+    copy_env("int8")
+    head, x = _int8_head(vocab, k, seed=vocab + k)
+    packed = KERNELS.pack(head)
+    greedy = GreedyHead(KERNELS, head, packed, kept=kept)
+    assert greedy.copy == "int8" and greedy.bf16 is None
+    want = _reference(x, packed)
+    approx = greedy.approx_logits(x)
+    assert (approx.argmax(dim=1)[:8] == 0).all() and (want[:8] == 1).all()  # the int8 products alone get these wrong
+    # elsewhere (random rows against random tokens), the copy's logits lie close to the float32 ones
+    full = KERNELS.gemm(x, packed, None, to_float=True)
+    assert (approx[8:, 2:] - full[8:, 2:]).abs().max() < 0.02 * full[8:, 2:].abs().max()
+    values = torch.empty(len(x))
+    assert torch.equal(greedy.tokens(x, values), want)
+    assert torch.equal(values, full[torch.arange(len(x)), want])  # the float32 logits' own bits
+    assert 2 * 8 <= greedy.checked < 24 * 100
+    for rows in (1, 2, 4, 5, 70):  # tiles of 1, 2 and 3 rows; more than one call's worth
+        xs = x.repeat(3, 1)[:rows]
+        assert torch.equal(greedy.tokens(xs), _reference(xs, packed))
+    assert greedy.nbytes < head.numel() * 2  # a byte a weight, and its row sums, scales and norms
+
+
+@needs_int8
+def test_the_int8_copy_of_a_zero_row_and_of_zero_inputs(copy_env):
+    """A head row of zeros (no scale) and an input row of zeros (every token ties at 0: the first wins)."""
+    from kvstrata.worker.greedy_head import GreedyHead
+
+    copy_env("int8")
+    head, x = _int8_head(300, 64, seed=3)
+    head[5] = 0.0
+    x[3] = 0.0
+    packed = KERNELS.pack(head)
+    greedy = GreedyHead(KERNELS, head, packed)
+    assert torch.equal(greedy.tokens(x), _reference(x, packed))
+    assert int(greedy.tokens(x[3:4])[0]) == 0
+
+
+def test_the_copy_is_chosen_by_its_switch_or_by_the_build(monkeypatch):
+    from kvstrata.worker.greedy_head import COPY_ENV, chosen_copy
+
+    class Build:
+        amx = False
+
+    monkeypatch.setattr(greedy_head, "int8_available", lambda kernels: vnni)
+    monkeypatch.delenv(COPY_ENV, raising=False)
+    for vnni, amx, want in ((True, False, "int8"), (False, False, "bf16"), (True, True, "bf16")):
+        Build.amx = amx
+        assert chosen_copy(Build) == want
+    vnni = True
+    monkeypatch.setenv(COPY_ENV, "bf16")
+    assert chosen_copy(Build) == "bf16"
+    monkeypatch.setenv(COPY_ENV, "int4")
+    with pytest.raises(ValueError, match=COPY_ENV):
+        chosen_copy(Build)
+    vnni = False
+    monkeypatch.setenv(COPY_ENV, "int8")
+    with pytest.raises(ValueError, match="VNNI"):
+        chosen_copy(Build)
+
+
+@needs_kernels
+@pytest.mark.parametrize("copy", COPIES)
+def test_a_row_with_a_non_finite_value_is_left_to_the_float32_head(copy, copy_env):
+    from kvstrata.worker.greedy_head import GreedyHead
+
+    copy_env(copy)
     head, x = _head(1000, 64, seed=1)
     greedy = GreedyHead(KERNELS, head, KERNELS.pack(head), kept=True)
     for bad in (float("nan"), float("inf")):
@@ -116,6 +215,7 @@ def _tuned(monkeypatch, wins_up_to: int | None, dot: bool = False) -> tuple[int 
     from kvstrata.worker.greedy_head import GreedyHead
 
     head, _ = _head(300, 64, 6)
+    monkeypatch.setenv(greedy_head.COPY_ENV, "bf16")
     greedy = GreedyHead(KERNELS, head, KERNELS.pack(head))
     asked: list[int] = []
 
@@ -142,6 +242,14 @@ def test_tune_keeps_the_last_row_count_at_which_the_copy_won(monkeypatch):
     assert _tuned(monkeypatch, 2) == (0, [4])
     assert _tuned(monkeypatch, None) == (None, [4, 8, 12, 16, 24, 32, 48, 64])
     assert _tuned(monkeypatch, 2, dot=True) == (None, [])  # bf16 dot products: any rows, untimed
+    if greedy_head.int8_available(KERNELS):  # the int8 copy: any rows, untimed
+        from kvstrata.worker.greedy_head import GreedyHead
+
+        monkeypatch.setenv(greedy_head.COPY_ENV, "int8")
+        head, _ = _head(300, 64, 6)
+        int8 = GreedyHead(KERNELS, head, KERNELS.pack(head))
+        monkeypatch.setattr(int8, "_time_both", lambda rows, rounds: pytest.fail("timed"))
+        assert int8.tune() is None
     monkeypatch.setenv(ROWS_ENV, "40")
     assert _tuned(monkeypatch, 2) == (40, [])
     monkeypatch.setenv(ROWS_ENV, "many")
@@ -155,6 +263,7 @@ def test_tune_times_the_real_heads_and_counts_nothing(monkeypatch):
     from kvstrata.worker.greedy_head import ROWS_ENV, GreedyHead
 
     monkeypatch.delenv(ROWS_ENV, raising=False)
+    monkeypatch.setenv(greedy_head.COPY_ENV, "bf16")
     monkeypatch.setattr(KERNELS, "amx", False)
     monkeypatch.setattr(KERNELS, "bf16_dot", False)
     head, x = _head(2000, 64, 7)
@@ -203,7 +312,7 @@ def test_the_engine_takes_greedy_tokens_only_for_greedy_rows_without_log_probs(l
 
     model = llm.engine.runner.model
     greedy = model.greedy_head
-    assert greedy is not None and greedy.nbytes >= model.embed.numel() * 2
+    assert greedy is not None and greedy.nbytes >= model.embed.numel()  # a byte a weight (int8) or two (bf16)
     prompts = [[17 + (7 * i + j) % 4000 for j in range(20 + 9 * i)] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     before = greedy.checked

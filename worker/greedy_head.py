@@ -1,12 +1,21 @@
-"""Greedy decoding's LM head for float32 models on CPU, from a bf16 copy of the head.
+"""Greedy decoding's LM head for float32 models on CPU, from a smaller copy of the head.
 
-Greedy rows need each row's argmax, not its float32 logits. The head is multiplied in bf16 first
-(half the bytes of the float32 head; twice the multiply-adds a cycle where the CPU has bf16 dot
-products or AMX tiles), which bounds every logit; only the tokens the bound leaves get their
-float32 logit, computed as the float32 head computes it, so the answer is the token the float32
-logits give, bit for bit (csrc/greedy_head.c has the bound).
+Greedy rows need each row's argmax, not its float32 logits. The head is multiplied in a copy of
+fewer bytes first, which bounds every logit; only the tokens the bound leaves get their float32
+logit, computed as the float32 head computes it, so the answer is the token the float32 logits
+give, bit for bit (csrc/greedy_head.c has the bounds). The copy is either
 
-The copy costs the head's size in bf16 (56.6 MB for SmolLM2). KVSTRATA_GREEDY_HEAD=0 turns it off.
+- int8 (a quarter of the float32 head's bytes: 28.3 MB for SmolLM2), each row scaled by its largest
+  value, the rows of x taken to 16 bits, multiplied with byte dot products (AVX-512 VNNI), or
+- bf16 (half the bytes: 56.6 MB), multiplied with the bf16 products (twice the multiply-adds a
+  cycle where the CPU has bf16 dot products or AMX tiles).
+
+int8 where the build has its products and no AMX tiles, else bf16; KVSTRATA_GREEDY_HEAD_COPY=int8
+or bf16 chooses. Two byte dot products a quad of k (x's high and low bytes) make as many
+multiply-adds a cycle as one bf16 dot product a pair, so the int8 copy gains where the head streams
+from memory: on a 2-core Zen 4 EPYC, against the bf16 copy, 1.4-1.8x at 1 row and 1.2-1.5x at 4,
+even from 8 to 32 rows, from half the memory.
+KVSTRATA_GREEDY_HEAD=0 turns the greedy head off.
 
 Where the CPU multiplies bf16 no faster than float32 (bf16 widened to float32, as on AVX2 cores),
 the copy only saves bytes: it wins while the head streams from memory (few rows) and loses once
@@ -26,6 +35,9 @@ from kvstrata.worker.huge_pages import empty_on_huge_pages
 
 ENV = "KVSTRATA_GREEDY_HEAD"
 ROWS_ENV = "KVSTRATA_GREEDY_HEAD_ROWS"
+COPY_ENV = "KVSTRATA_GREEDY_HEAD_COPY"
+COPIES = ("int8", "bf16")
+_INT8_COLS = 64  # the int8 copy's tile of columns (csrc/greedy_head.c's Q_COLS)
 _TUNE_ROWS = (4, 8, 12, 16, 24, 32, 48, 64)  # the row counts tune times, in order, until the copy loses
 _MAX_ROWS = 64  # rows per bf16 product: the approximate logits' buffer is kept, [_MAX_ROWS, V] at most
 
@@ -45,6 +57,53 @@ def available(kernels: CpuKernels) -> bool:
     return bool(kernels._lib.kvs_greedy_head_exact())
 
 
+def int8_available(kernels: CpuKernels) -> bool:
+    """Whether this build has the int8 copy's byte dot products (AVX-512 VNNI)."""
+    kernels._lib.kvs_int8_head_available.restype = ctypes.c_int
+    return bool(kernels._lib.kvs_int8_head_available())
+
+
+def chosen_copy(kernels: CpuKernels) -> str:
+    """KVSTRATA_GREEDY_HEAD_COPY (int8 or bf16) where set, else int8 where this build multiplies it,
+    else bf16. ValueError for another value, or int8 asked of a build without its products."""
+    value = os.environ.get(COPY_ENV)
+    if value is None:  # (AMX tiles multiply bf16 far faster than the byte dot products: bf16 there)
+        return "int8" if int8_available(kernels) and not kernels.amx else "bf16"
+    if value not in COPIES:
+        raise ValueError(f"{COPY_ENV} must be int8 or bf16, not {value!r}")
+    if value == "int8" and not int8_available(kernels):
+        raise ValueError(f"{COPY_ENV}=int8 needs AVX-512 VNNI in this build")
+    return value
+
+
+def _int8_copy(head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The head [V, K] as csrc/greedy_head.c's int8 copy: (packed tiles on huge pages, scale [C],
+    rowsum [C], enorm [V]), C = V padded to whole tiles (the padding zero). Each row j: s_j = max |w_j|
+    / 127 in float32, q_j = round(w_j / s_j) within +-127, its sum, and |w_j - s_j q_j| from above."""
+    v, k = head.shape
+    quads, cols = (k + 3) // 4, -(-v // _INT8_COLS) * _INT8_COLS
+    q = torch.zeros(cols, 4 * quads, dtype=torch.int8)
+    scale = torch.zeros(cols, dtype=torch.float32)
+    rowsum = torch.zeros(cols, dtype=torch.int32)
+    enorm = torch.empty(v, dtype=torch.float32)
+    for r0 in range(0, v, 4096):  # in float64, a slice at a time
+        w = head[r0:r0 + 4096].double()
+        s = (w.abs().amax(dim=1) / 127).float()
+        sd = s.double()[:, None]
+        qi = torch.where(sd > 0, torch.round(w / torch.where(sd > 0, sd, 1.0)), 0.0).clamp(-127, 127)
+        rows = slice(r0, r0 + len(w))
+        q[rows, :k] = qi.to(torch.int8)
+        scale[rows] = s
+        rowsum[rows] = qi.sum(dim=1).to(torch.int32)
+        # the residual's norm in float64 (its products of a float32 and a small integer exact),
+        # raised past the float32 rounding below
+        enorm[rows] = (torch.linalg.vector_norm(w - sd * qi, dim=1) * (1 + 2 ** -20)).float()
+    tiles = q.view(cols // _INT8_COLS, _INT8_COLS, quads, 4).permute(0, 2, 1, 3)
+    packed = empty_on_huge_pages(tiles.numel(), torch.int8)
+    packed.view_as(tiles.contiguous()).copy_(tiles)
+    return packed, scale, rowsum, enorm
+
+
 class GreedyHead:
     def __init__(self, kernels: CpuKernels, head: torch.Tensor, packed: PackedWeight, kept: bool = False):
         """head: the float32 head [V, K] (its row norms are taken here); packed: the same head as the
@@ -58,10 +117,20 @@ class GreedyHead:
             raise ValueError("this build's float32 products are not fused multiply-add chains (see csrc/greedy_head.c)")
         lib.kvs_greedy_head.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
         lib.kvs_greedy_head.restype = ctypes.c_int64
+        lib.kvs_greedy_head_int8.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
+        lib.kvs_greedy_head_int8.restype = ctypes.c_int64
+        lib.kvs_int8_head_approx.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 \
+            + [ctypes.c_int64] + [ctypes.c_void_p] * 2
+        lib.kvs_int8_head_approx.restype = ctypes.c_int
         self.packed = packed
         self.head_rows = head.contiguous() if kept else None
-        bf16 = head.bfloat16()
-        self.bf16 = kernels.pack(bf16, out=empty_on_huge_pages(kernels.packed_numel(bf16), torch.bfloat16))
+        self.copy = chosen_copy(kernels)
+        self.bf16: PackedWeight | None = None
+        if self.copy == "int8":
+            self.int8, self.int8_scale, self.int8_rowsum, self.int8_enorm = _int8_copy(head)
+        else:
+            bf16 = head.bfloat16()
+            self.bf16 = kernels.pack(bf16, out=empty_on_huge_pages(kernels.packed_numel(bf16), torch.bfloat16))
         # each row's norm from above: a float32 sum of K squares is within about K 2^-24 of its value
         # (its root within half that), which the raise covers twice over, with the last rounding
         k = head.shape[1]
@@ -73,8 +142,11 @@ class GreedyHead:
 
     @property
     def nbytes(self) -> int:
-        """Memory the bf16 copy and the norms take."""
-        return self.bf16.data.numel() * 2 + self.norms.numel() * 4
+        """Memory the copy and the norms take."""
+        if self.bf16 is not None:
+            return self.bf16.data.numel() * 2 + self.norms.numel() * 4
+        return self.int8.numel() + 4 * (self.int8_scale.numel() + self.int8_rowsum.numel() + self.int8_enorm.numel()
+                                        + self.norms.numel())
 
     def tokens(self, x: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor | None:
         """The greedy token of each row of x [N, K] (float32, the head's input after the final norm):
@@ -95,35 +167,65 @@ class GreedyHead:
             rows = min(_MAX_ROWS, n - r0)
             approx = self._approx_buffer(rows)
             xr = x[r0:r0 + rows]
-            self._lib.kvs_gemm_bf16(xr.data_ptr(), self.bf16.data.data_ptr(), None, approx.data_ptr(), rows, v, k)
             head = None if self.head_rows is None else self.head_rows.data_ptr()
-            if self._lib.kvs_greedy_head(xr.data_ptr(), approx.data_ptr(), self.packed.data.data_ptr(), head,
-                                         self.norms.data_ptr(), rows, v, k, out[r0:].data_ptr(),
-                                         None if values is None else values[r0:].data_ptr(), checked[r0:].data_ptr()):
+            tail = (rows, v, k, out[r0:].data_ptr(), None if values is None else values[r0:].data_ptr(),
+                    checked[r0:].data_ptr())
+            xnorms = self._approx_into(xr, approx)
+            if xnorms is None:
+                return None
+            if self.bf16 is not None:
+                rc = self._lib.kvs_greedy_head(xr.data_ptr(), approx.data_ptr(), self.packed.data.data_ptr(), head,
+                                               self.norms.data_ptr(), *tail)
+            else:
+                rc = self._lib.kvs_greedy_head_int8(xr.data_ptr(), approx.data_ptr(), xnorms.data_ptr(),
+                                                    self.packed.data.data_ptr(), head, self.norms.data_ptr(),
+                                                    self.int8_enorm.data_ptr(), *tail)
+            if rc:
                 return None
         self.checked += int(checked.sum())
         return out
+
+    def approx_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The copy's logits of x [N, K] (float32): what the first pass bounds (for tests)."""
+        x = x.contiguous()
+        approx = torch.empty(x.shape[0], self.packed.n, dtype=torch.float32)
+        if self._approx_into(x, approx) is None:
+            raise MemoryError("no memory for the int8 copy's work")
+        return approx
+
+    def _approx_into(self, x: torch.Tensor, approx: torch.Tensor) -> torch.Tensor | None:
+        """The copy's logits of x [rows, K] into approx [rows, V]; returns the int8 copy's row norms
+        ([rows, 2]: |x| and |e_x|; an empty tensor for the bf16 copy), None without memory."""
+        rows, v, k = x.shape[0], self.packed.n, self.packed.k
+        if self.bf16 is not None:
+            self._lib.kvs_gemm_bf16(x.data_ptr(), self.bf16.data.data_ptr(), None, approx.data_ptr(), rows, v, k)
+            return torch.empty(0)
+        xnorms = torch.empty(rows, 2, dtype=torch.float32)
+        if self._lib.kvs_int8_head_approx(x.data_ptr(), rows, k, self.int8.data_ptr(), self.int8_scale.data_ptr(),
+                                          self.int8_rowsum.data_ptr(), v, approx.data_ptr(), xnorms.data_ptr()):
+            return None
+        return xnorms
 
     def takes(self, rows: int) -> bool:
         """Whether `tokens` takes a call of `rows` rows (max_rows)."""
         return self.max_rows is None or rows <= self.max_rows
 
     def tune(self, rounds: int = 3) -> int | None:
-        """Sets and returns max_rows, once at load. With bf16 dot products or AMX tiles the copy is
-        multiplied faster than the float32 head as well as read in half the bytes, and takes any
-        number of rows (on a Zen 4 EPYC 1.8x faster at 32 rows). Otherwise it times both ways, the
-        float32 head and its argmax against `tokens`, alternating, at 4, 8, 12, 16, 24, 32, 48 and 64
-        rows in turn until the float32 head's median is the lower, and keeps the last count at which
-        the copy won (None if it won at all of them, 0 if at none). On a 2-core Zen 3 EPYC (AVX2),
-        over five timings, the copy ran 1.5-2.2x faster at 1-4 rows, 0.92-1.65x at 8, 0.87-1.27x
-        at 12 and 0.87-1.04x at 16-32. The tokens are the same bits either way. KVSTRATA_GREEDY_HEAD_ROWS (a whole number) sets it
-        without timing."""
+        """Sets and returns max_rows, once at load. The int8 copy, and the bf16 copy with bf16 dot
+        products or AMX tiles, are multiplied faster than the float32 head as well as read in fewer
+        bytes, and take any number of rows (on a Zen 4 EPYC 1.7-1.8x faster at 32 rows). Otherwise it
+        times both ways, the float32 head and its argmax against `tokens`, alternating, at 4, 8, 12,
+        16, 24, 32, 48 and 64 rows in turn until the float32 head's median is the lower, and keeps the
+        last count at which the copy won (None if it won at all of them, 0 if at none). On a 2-core
+        Zen 3 EPYC (AVX2), over five timings, the copy ran 1.5-2.2x faster at 1-4 rows, 0.92-1.65x at
+        8, 0.87-1.27x at 12 and 0.87-1.04x at 16-32. The tokens are the same bits either way.
+        KVSTRATA_GREEDY_HEAD_ROWS (a whole number) sets it without timing."""
         env = os.environ.get(ROWS_ENV)
         if env is not None:
             if not env.isdigit():
                 raise ValueError(f"{ROWS_ENV} must be a whole number of rows, not {env!r}")
             self.max_rows = int(env)
-        elif self._kernels.amx or self._kernels.bf16_dot:
+        elif self._kernels.amx or self._kernels.bf16_dot or self.copy == "int8":
             self.max_rows = None
         else:
             self._kernels.tune_wide_copy([self.bf16])  # how its blocks of 16 rows and more widen (once a process)

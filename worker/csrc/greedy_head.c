@@ -68,26 +68,29 @@ static void exact_logits(const float *x, const float *rows, const float *wp, int
 }
 
 /* One row: its answer into *out (and its logit into *value, the tokens checked into *checked);
- * returns 0, or 1 where the row holds a non-finite value. idx [n + CHAINS] and top [blocks]: room. */
-static int pick_row(const float *xr, const float *a, const float *wp, const float *head, const float *wnorm,
-                    int64_t n, int64_t k, double c, int32_t *idx, float *top, int64_t *out, float *value,
-                    int64_t *checked) {
+ * returns 0, or 1 where the row holds a non-finite value. idx [n + CHAINS] and top [blocks]: room.
+ * The bound on |A_j - L_j| is E_j = cx wnorm_j + floor, plus ce enorm_j where the int8 copy gave A
+ * (has_e; see kvs_greedy_head_int8). */
+static inline __attribute__((always_inline)) int pick_row(const float *xr, const float *a, const float *wp,
+                                                          const float *head, const float *wnorm, const float *enorm,
+                                                          int has_e, int64_t n, int64_t k, float cx, float ce,
+                                                          int32_t *idx, float *top, int64_t *out, float *value,
+                                                          int64_t *checked) {
     const int64_t nr = kvs_gemm_group(), blocks = (n + BLOCK - 1) / BLOCK;
     const float floor_e = (float)k * 0x1p-120f;
-    double xs = 0.0;
-    for (int64_t kk = 0; kk < k; kk++) xs += (double)xr[kk] * xr[kk];
-    float cx = (float)(c * sqrt(xs) * (1.0 + 0x1p-20)); /* c |x|, rounded well up */
-    if (!isfinite(cx) || n == 0) return 1;
+    if (!isfinite(cx) || !isfinite(ce) || n == 0) return 1;
     /* pass 1: m = max (A_j - E_j); the largest |A_j| + E_j for the slack; each block's largest
      * A_j + E_j; a NaN poisons `bad` */
-    vf vm = (vf){0} - INFINITY, vbig = (vf){0}, vcx = (vf){0} + cx, vfloor = (vf){0} + floor_e;
+    vf vm = (vf){0} - INFINITY, vbig = (vf){0}, vcx = (vf){0} + cx, vce = (vf){0} + ce, vfloor = (vf){0} + floor_e;
+#define BOUND_V(j) (vcx * loadv(wnorm + (j)) + (has_e ? vce * loadv(enorm + (j)) : (vf){0}) + vfloor)
+#define BOUND_1(j) (cx * wnorm[j] + (has_e ? ce * enorm[j] : 0.0f) + floor_e)
     vi bad = (vi){0};
     int64_t j = 0;
     for (int64_t b = 0; b < blocks; b++) {
         vf vtop = (vf){0} - INFINITY;
         int64_t end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
         for (; j + VW <= end; j += VW) {
-            vf av = loadv(a + j), e = vcx * loadv(wnorm + j) + vfloor;
+            vf av = loadv(a + j), e = BOUND_V(j);
             bad |= (vi)(av != av);
             vm = vmaxv(vm, av - e);
             vtop = vmaxv(vtop, av + e);
@@ -95,7 +98,7 @@ static int pick_row(const float *xr, const float *a, const float *wp, const floa
         }
         top[b] = hmaxv(vtop);
         for (; j < end; j++) { /* the last block's tail */
-            float e = cx * wnorm[j] + floor_e;
+            float e = BOUND_1(j);
             bad[0] |= a[j] != a[j];
             vm[0] = a[j] - e > vm[0] ? a[j] - e : vm[0];
             top[b] = a[j] + e > top[b] ? a[j] + e : top[b];
@@ -117,13 +120,15 @@ static int pick_row(const float *xr, const float *a, const float *wp, const floa
         if (top[b] < floor_m - big * 0x1p-19f) continue;
         int64_t end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
         for (j = b * BLOCK; j + VW <= end; j += VW) {
-            vi keep = (vi)(loadv(a + j) + (vcx * loadv(wnorm + j) + vfloor) >= vfl);
+            vi keep = (vi)(loadv(a + j) + BOUND_V(j) >= vfl);
             int32_t lanes[VW];
             memcpy(lanes, &keep, sizeof lanes);
             for (int i = 0; i < VW; i++) idx[count] = (int32_t)(j + i), count += lanes[i] != 0;
         }
-        for (; j < end; j++) idx[count] = (int32_t)j, count += a[j] + (cx * wnorm[j] + floor_e) >= floor_m;
+        for (; j < end; j++) idx[count] = (int32_t)j, count += a[j] + BOUND_1(j) >= floor_m;
     }
+#undef BOUND_V
+#undef BOUND_1
     /* their float32 logits, CHAINS at a time; the first of the largest */
     float best = -INFINITY;
     int64_t at = -1;
@@ -144,6 +149,221 @@ static int pick_row(const float *xr, const float *a, const float *wp, const floa
     return 0;
 }
 
+static inline double gamma_k(int64_t k) {
+    const double u = 0x1p-24;
+    return (double)k * u / (1.0 - (double)k * u);
+}
+
+/* kvs_greedy_head, and the same for approx from the int8 copy (kvs_int8_head_approx): xnorms [rows, 2]
+ * holds each row's |x| and |e_x|, and enorm [n] each head row's |e_j|, rounded up (NULL both for the
+ * bf16 copy). The int8 copy's bound:
+ *
+ *   A_j = (x - e_x) . (w_j - e_j) exactly in integers, scaled; x . w_j - that = e_x . w_j + x . e_j
+ *   - e_x . e_j, so |A_j - x . w_j| <= |e_x| |w_j| + |x| |e_j| + |e_x| |e_j|; the float32 chain L_j
+ *   is within gamma_K |x| |w_j| of x . w_j; and A_j's own roundings (the two sums converted to
+ *   float32, at most sqrt(K) 2^-24 (|x| + |e_x|) (|w_j| + |e_j|) between them, the fused
+ *   combination and the two scalings, 3 2^-24 of that) stay under (gamma_K + 2^-20) of it,
+ *
+ * so E_j = c1 |w_j| + c2 |e_j| + K 2^-120, with g = gamma_K + 2^-20, c1 = |e_x| + 3 gamma_K |x| +
+ * g (|x| + |e_x|) and c2 = (|x| + |e_x|) (1 + g), both rounded up. */
+int64_t kvs_greedy_head_int8(const float *x, const float *approx, const float *xnorms, const float *wp,
+                             const float *head, const float *wnorm, const float *enorm, int64_t rows, int64_t n,
+                             int64_t k, int64_t *out, float *value, int64_t *checked) {
+    const double gamma = gamma_k(k), c = 0x1p-8 + 0x1p-16 + 3.0 * gamma, up = 1.0 + 0x1p-20;
+    int64_t bad_rows = 0, no_memory = 0;
+#pragma omp parallel reduction(+ : bad_rows, no_memory) if (rows > 1)
+    {
+        int32_t *idx = malloc((size_t)(n + CHAINS) * sizeof *idx); /* a row's tokens left to check */
+        float *top = malloc((size_t)((n + BLOCK - 1) / BLOCK + 1) * sizeof *top); /* each block's largest A_j + E_j */
+        no_memory += idx == NULL || top == NULL;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (idx == NULL || top == NULL) continue;
+            const float *xr = x + r * k;
+            int64_t *o = out + r, *ch = checked ? checked + r : NULL;
+            float *val = value ? value + r : NULL;
+            if (xnorms == NULL) { /* the bf16 copy: E_j = c |x| |w_j| + floor */
+                double xs = 0.0;
+                for (int64_t kk = 0; kk < k; kk++) xs += (double)xr[kk] * xr[kk];
+                float cx = (float)(c * sqrt(xs) * up); /* c |x|, rounded well up */
+                bad_rows += pick_row(xr, approx + r * n, wp, head, wnorm, NULL, 0, n, k, cx, 0.0f, idx, top, o, val,
+                                     ch);
+            } else {
+                double xn = xnorms[2 * r], en = xnorms[2 * r + 1];
+                double g = gamma + 0x1p-20;
+                float c1 = (float)((en + 3.0 * gamma * xn + g * (xn + en)) * up);
+                float c2 = (float)((xn + en) * (1.0 + g) * up);
+                bad_rows += pick_row(xr, approx + r * n, wp, head, wnorm, enorm, 1, n, k, c1, c2, idx, top, o, val, ch);
+            }
+        }
+        free(idx);
+        free(top);
+    }
+    return no_memory ? -1 : bad_rows;
+}
+
+/* The int8 copy of the head: each row j scaled by s_j = max |w_j| / 127 and rounded, q_j = round(w_j /
+ * s_j) (the caller makes it, with s_j, sum_k q_jk and |e_j| = |w_j - s_j q_j|), packed in tiles of
+ * Q_COLS columns: qp[t][kq][c][4] = q[Q_COLS t + c, 4 kq .. 4 kq + 3], a tile's k quad one 256-byte
+ * line run, its four vectors Q_GROUP columns each. Each row of x is taken to 16 bits, qx = round(x /
+ * s_x), s_x = max |x| / 32767, split as qx = 256 hi + lo (lo in 0 .. 255, hi + 128 too), and each
+ * tile's sums sum_k (hi + 128) q and sum_k lo q come from the unsigned-by-signed byte dot products
+ * (four products a lane, exact in int32), so that sum_k qx q_j = 256 (high sum - 128 sum_k q_j) +
+ * low sum, exactly. Two dot products a quad of k against one bf16 dot product a pair: the same
+ * products a cycle as the bf16 copy, from half the bytes. */
+#define Q_GROUP 16
+#define Q_COLS 64
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_INT8_HEAD 1
+#define Q_ROWS 3 /* rows a tile: 3 rows x 4 vectors x (high, low) = 24 sums */
+#ifndef Q_AHEAD
+#define Q_AHEAD 6144
+#endif
+
+/* acc + the unsigned bytes of a times the signed bytes of b, four products a lane: the instruction
+ * itself, so that the sums stay in their registers (through the intrinsic, gcc 12 copied the half of
+ * them held in zmm16-31 to other registers and back on every k quad), b from a register (as a memory
+ * operand, each weight vector was loaded again for every row). */
+static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+
+/* Rows r0 .. r0 + R - 1 against tile t: their approximate logits into approx [rows, n]. */
+#define Q_ZERO(i) __m512i h##i##0 = _mm512_setzero_si512(), h##i##1 = h##i##0, h##i##2 = h##i##0, h##i##3 = h##i##0, \
+                          l##i##0 = h##i##0, l##i##1 = h##i##0, l##i##2 = h##i##0, l##i##3 = h##i##0
+#define Q_ROW(i)                                                                                                  \
+    do {                                                                                                          \
+        __m512i bh = _mm512_set1_epi32((int)hi[(i) * kq + kk]), bl = _mm512_set1_epi32((int)lo[(i) * kq + kk]);   \
+        h##i##0 = dpbusd(h##i##0, bh, w0), l##i##0 = dpbusd(l##i##0, bl, w0);          \
+        h##i##1 = dpbusd(h##i##1, bh, w1), l##i##1 = dpbusd(l##i##1, bl, w1);          \
+        h##i##2 = dpbusd(h##i##2, bh, w2), l##i##2 = dpbusd(l##i##2, bl, w2);          \
+        h##i##3 = dpbusd(h##i##3, bh, w3), l##i##3 = dpbusd(l##i##3, bl, w3);          \
+    } while (0)
+#define Q_OUT(i)                                                                                                  \
+    do {                                                                                                          \
+        q_emit(h##i##0, l##i##0, 0, i), q_emit(h##i##1, l##i##1, 1, i);                                           \
+        q_emit(h##i##2, l##i##2, 2, i), q_emit(h##i##3, l##i##3, 3, i);                                           \
+    } while (0)
+
+/* Vector j of row i's sums, combined and scaled, into approx (the columns past n left alone). */
+static inline __attribute__((always_inline)) void q_emit_at(__m512i high_sum, __m512i low_sum, const float *scale,
+                                                            const int32_t *rowsum, float sx, int64_t c0, int64_t n,
+                                                            float *y) {
+    if (c0 >= n) return;
+    __mmask16 mask = c0 + Q_GROUP <= n ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c0)) - 1);
+    __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(rowsum + c0), 7); /* 128 sum_k q_j */
+    __m512 high = _mm512_cvtepi32_ps(_mm512_sub_epi32(high_sum, offset));  /* exact to K = 1,032 */
+    __m512 d = _mm512_fmadd_ps(high, _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(low_sum));
+    __m512 a = _mm512_mul_ps(d, _mm512_mul_ps(_mm512_loadu_ps(scale + c0), _mm512_set1_ps(sx)));
+    _mm512_mask_storeu_ps(y + c0, mask, a);
+}
+
+static inline __attribute__((always_inline)) void int8_tile(const uint32_t *hi, const uint32_t *lo, int64_t kq,
+                                                            const int8_t *qp, const float *scale, const int32_t *rowsum,
+                                                            const float *sx, int64_t t, int64_t n, int R,
+                                                            int ahead, float *approx) {
+    Q_ZERO(0);
+    Q_ZERO(1);
+    Q_ZERO(2);
+    const int8_t *w = qp + t * kq * 4 * Q_COLS;
+    for (int64_t kk = 0; kk < kq; kk++) {
+        const int8_t *wk = w + kk * 4 * Q_COLS;
+        if (ahead) /* the first rows against a tile ask for its lines Q_AHEAD bytes ahead, into L2 */
+            for (int b = 0; b < 4 * Q_COLS; b += 64) _mm_prefetch((const char *)wk + Q_AHEAD + b, _MM_HINT_T1);
+        __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + 64), w2 = _mm512_loadu_si512(wk + 128),
+                w3 = _mm512_loadu_si512(wk + 192);
+        Q_ROW(0);
+        if (R > 1) Q_ROW(1);
+        if (R > 2) Q_ROW(2);
+    }
+    int64_t c = t * Q_COLS;
+#define q_emit(high, low, j, i) q_emit_at(high, low, scale, rowsum, sx[i], c + (j) * Q_GROUP, n, approx + (i) * n)
+    Q_OUT(0);
+    if (R > 1) Q_OUT(1);
+    if (R > 2) Q_OUT(2);
+#undef q_emit
+}
+#else
+#define HAVE_INT8_HEAD 0
+#endif
+
+/* Whether this build has the int8 copy's products (AVX-512 with VNNI). */
+int kvs_int8_head_available(void) { return HAVE_INT8_HEAD; }
+
+/* approx [rows, n] = each row of x [rows, k] times the int8 copy (qp, packed as above for n columns
+ * padded to whole tiles and k to whole quads; scale [n] s_j, rowsum [n] sum_k q_jk), and xnorms
+ * [rows, 2] each row's |x| and |e_x| = |x - s_x qx| (in double, rounded up), for
+ * kvs_greedy_head_int8. A row with a non-finite value gets NaN norms (its pick then fails, and the
+ * caller takes the float32 head). Returns 0, -1 without memory, -2 in a build without the products. */
+int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *qp, const float *scale,
+                         const int32_t *rowsum, int64_t n, float *approx, float *xnorms) {
+#if HAVE_INT8_HEAD
+    int64_t kq = (k + 3) / 4, tiles = (n + Q_COLS - 1) / Q_COLS;
+    uint32_t *quads = calloc((size_t)(2 * rows * kq), sizeof *quads); /* hi, then lo, [rows][kq] each */
+    float *sx = malloc((size_t)rows * sizeof *sx);
+    if (quads == NULL || sx == NULL) {
+        free(quads);
+        free(sx);
+        return -1;
+    }
+    uint32_t *hi = quads, *lo = quads + rows * kq;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * k;
+        float big = 0.0f;
+        int finite = 1;
+        for (int64_t kk = 0; kk < k; kk++) {
+            float v = fabsf(xr[kk]);
+            finite &= isfinite(v);
+            big = v > big ? v : big;
+        }
+        if (!finite) {
+            sx[r] = 0.0f;
+            xnorms[2 * r] = xnorms[2 * r + 1] = NAN; /* hi + 128 stays 0: the sums are whatever, and unused */
+            continue;
+        }
+        float s = big / 32767.0f, inv = big > 0.0f ? 1.0f / s : 0.0f;
+        double xs = 0.0, es = 0.0;
+        uint8_t *h = (uint8_t *)(hi + r * kq), *l = (uint8_t *)(lo + r * kq);
+        for (int64_t kk = 0; kk < 4 * kq; kk++) {
+            int32_t q = 0;
+            if (kk < k) {
+                float v = nearbyintf(xr[kk] * inv);
+                q = v > 32767.0f ? 32767 : v < -32767.0f ? -32767 : (int32_t)v;
+                double e = (double)xr[kk] - (double)s * (double)q;
+                xs += (double)xr[kk] * xr[kk];
+                es += e * e;
+            }
+            int32_t low = q & 255;
+            h[kk] = (uint8_t)((q - low) / 256 + 128);
+            l[kk] = (uint8_t)low;
+        }
+        sx[r] = s;
+        xnorms[2 * r] = (float)(sqrt(xs) * (1.0 + 0x1p-20));
+        xnorms[2 * r + 1] = (float)(sqrt(es) * (1.0 + 0x1p-20));
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t r0 = 0; r0 < rows; r0 += Q_ROWS) {
+            const uint32_t *h = hi + r0 * kq, *l = lo + r0 * kq;
+            float *a = approx + r0 * n;
+            int ahead = r0 == 0;
+            switch (rows - r0 < Q_ROWS ? rows - r0 : Q_ROWS) {
+            case 1: int8_tile(h, l, kq, qp, scale, rowsum, sx + r0, t, n, 1, ahead, a); break;
+            case 2: int8_tile(h, l, kq, qp, scale, rowsum, sx + r0, t, n, 2, ahead, a); break;
+            default: int8_tile(h, l, kq, qp, scale, rowsum, sx + r0, t, n, 3, ahead, a); break;
+            }
+        }
+    free(quads);
+    free(sx);
+    return 0;
+#else
+    (void)x, (void)rows, (void)k, (void)qp, (void)scale, (void)rowsum, (void)n, (void)approx, (void)xnorms;
+    return -2;
+#endif
+}
+
 /* For each of `rows` rows of x [rows, k] (the head's input) and approx [rows, n] (x times the bf16
  * head, float32 sums): the first index of the largest float32 logit into out[r]. The float32 head:
  * wp, packed as kvs_gemm_f32 reads it, and `head` [n, k] row-major where the caller has it (else
@@ -153,21 +373,5 @@ static int pick_row(const float *xr, const float *a, const float *wp, const floa
  * the float32 logits each row computed. */
 int64_t kvs_greedy_head(const float *x, const float *approx, const float *wp, const float *head, const float *wnorm,
                         int64_t rows, int64_t n, int64_t k, int64_t *out, float *value, int64_t *checked) {
-    const double u = 0x1p-24, gamma = (double)k * u / (1.0 - (double)k * u);
-    const double c = 0x1p-8 + 0x1p-16 + 3.0 * gamma;
-    int64_t bad_rows = 0, no_memory = 0;
-#pragma omp parallel reduction(+ : bad_rows, no_memory) if (rows > 1)
-    {
-        int32_t *idx = malloc((size_t)(n + CHAINS) * sizeof *idx); /* a row's tokens left to check */
-        float *top = malloc((size_t)((n + BLOCK - 1) / BLOCK + 1) * sizeof *top); /* each block's largest A_j + E_j */
-        no_memory += idx == NULL || top == NULL;
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            if (idx != NULL && top != NULL)
-                bad_rows += pick_row(x + r * k, approx + r * n, wp, head, wnorm, n, k, c, idx, top, out + r,
-                                     value ? value + r : NULL, checked ? checked + r : NULL);
-        free(idx);
-        free(top);
-    }
-    return no_memory ? -1 : bad_rows;
+    return kvs_greedy_head_int8(x, approx, NULL, wp, head, wnorm, NULL, rows, n, k, out, value, checked);
 }
