@@ -141,6 +141,58 @@ def test_the_int8_copy_of_a_zero_row_and_of_zero_inputs(copy_env):
     assert int(greedy.tokens(x[3:4])[0]) == 0
 
 
+def _bf16_model_head(vocab: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 head [vocab, k] and bf16 rows x [24, k]. Rows 0 and 1 of the head hold 127 s at column 0
+    (x is 0 there: both scale by s = 2^-7, and their int8 copies are exact) and 100, 100, 100 against
+    100, 100, 101 times s at columns 1-3, where x[:8] is 1 and 0 elsewhere: their float32 logits 2.34375
+    and 2.3515625, which round to the same bf16 value, so the answer is token 0, though both the copy
+    and the float32 sums put token 1 ahead by far more than the copy's bound. Rows 2 and 3 are equal,
+    for ties among the others."""
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randn(vocab, k, generator=gen) * 0.01
+    head[0:2] = 0.0
+    head[0:2, 0] = 127 * 2 ** -7
+    head[0, 1:4] = torch.tensor([100.0, 100.0, 100.0]) * 2 ** -7
+    head[1, 1:4] = torch.tensor([100.0, 100.0, 101.0]) * 2 ** -7
+    head[3] = head[2]
+    x = torch.randn(24, k, generator=gen)
+    x[:8] = 0.0
+    x[:8, 1:4] = 1.0
+    return head.bfloat16(), x.bfloat16()
+
+
+@needs_int8
+@pytest.mark.parametrize("vocab,k", [(1000, 576), (1000, 63), (49152 + 7, 576)])
+def test_a_bf16_models_greedy_tokens_are_its_own_logits_argmax(vocab, k, copy_env):
+    """For a bf16 model the answer is the first of the largest of its GEMM's logits rounded to bf16:
+    tokens whose float32 sums lie within a bf16 step of the best are checked too."""
+    from kvstrata.worker.greedy_head import GreedyHead
+
+    if KERNELS.amx:
+        pytest.skip("a bf16 model's greedy head needs the GEMM's own groups, not AMX tiles")
+    copy_env("int8")
+    head, x = _bf16_model_head(vocab, k, seed=vocab + k)
+    packed = KERNELS.pack(head)
+    greedy = GreedyHead(KERNELS, head, packed, kept=True)
+    assert greedy.model_bf16 and greedy.head_rows is None
+    logits = KERNELS.gemm(x, packed, None, to_float=True)  # the model's own logits, as bf16 values
+    want = KERNELS.argmax(logits)
+    sums = x.float() @ head.float().T
+    assert (sums[:8, 1] > sums[:8, 0]).all() and (want[:8] == 0).all()  # rounding ties them: the first wins
+    assert (greedy.approx_logits(x)[:8].argmax(dim=1) == 1).all()
+    values = torch.empty(len(x))
+    assert torch.equal(greedy.tokens(x, values), want)
+    assert torch.equal(values, logits[torch.arange(len(x)), want])
+    for rows in (1, 2, 5, 70):
+        xs = x.repeat(3, 1)[:rows]
+        assert torch.equal(greedy.tokens(xs), KERNELS.argmax(KERNELS.gemm(xs, packed, None, to_float=True)))
+    with pytest.raises(ValueError, match="bfloat16 rows"):
+        greedy.tokens(x.float())
+    copy_env("bf16")
+    with pytest.raises(ValueError, match="int8 copy"):
+        GreedyHead(KERNELS, head, packed)
+
+
 def test_the_copy_is_chosen_by_its_switch_or_by_the_build(monkeypatch):
     from kvstrata.worker.greedy_head import COPY_ENV, chosen_copy
 
@@ -178,7 +230,7 @@ def test_a_row_with_a_non_finite_value_is_left_to_the_float32_head(copy, copy_en
         assert greedy.tokens(y) is None
     with pytest.raises(ValueError, match="float32 rows"):
         greedy.tokens(x.double())
-    with pytest.raises(ValueError, match="float32 head"):
+    with pytest.raises(ValueError, match="same dtype"):
         GreedyHead(KERNELS, head.bfloat16(), KERNELS.pack(head))
 
 
@@ -298,7 +350,7 @@ def test_a_model_times_its_head_once_per_process_and_drops_a_copy_that_never_win
     assert first.max_rows == again.max_rows == 8 and calls == [8]  # timed once
     monkeypatch.setenv(ROWS_ENV, "5")
     assert model._make_greedy_head(head, torch.float32, None).max_rows == 5 and calls == [8, 5]
-    assert model_module._GREEDY_HEAD_ROWS == {tuple(head.shape): 8}  # a setting is not kept for later loads
+    assert model_module._GREEDY_HEAD_ROWS == {(tuple(head.shape), torch.float32): 8}  # a setting is not kept
     monkeypatch.delenv(ROWS_ENV)
     monkeypatch.setattr(model_module, "_GREEDY_HEAD_ROWS", {})
     assert model._make_greedy_head(head, torch.float32, None) is None  # the copy won at no row count
@@ -329,3 +381,35 @@ def test_the_engine_takes_greedy_tokens_only_for_greedy_rows_without_log_probs(l
     llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                                SamplingParams(temperature=0.8, max_tokens=4, seed=3, ignore_eos=True)])
     assert greedy.checked == before
+
+
+@needs_int8
+def test_a_bf16_engine_takes_greedy_tokens_from_the_int8_copy_with_the_same_outputs(monkeypatch):
+    """A bf16 model gets the int8 greedy head (no AMX tiles), for no more rows than its packed GEMM
+    takes; greedy requests come out the same tokens with it and without it, alone and batched."""
+    from kvstrata import LLM
+    from kvstrata.worker.greedy_head import ROWS_ENV
+    from kvstrata.worker.sampling_params import SamplingParams
+
+    if KERNELS.amx:
+        pytest.skip("bf16 on AMX tiles keeps its own head")
+    monkeypatch.delenv(greedy_head.COPY_ENV, raising=False)
+    monkeypatch.setenv(ROWS_ENV, "1000000")  # every row count it may take, untimed
+    bf16 = LLM("smollm2-135m", num_gpu_blocks=64, dtype="bfloat16")
+    model = bf16.engine.runner.model
+    greedy = model.greedy_head
+    assert greedy is not None and greedy.model_bf16 and greedy.copy == "int8"
+    assert greedy.max_rows == model.linear.max_packed_rows  # beyond it oneDNN computes the logits
+    prompts = [[17 + (7 * i + j) % 4000 for j in range(20 + 9 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    runs = []
+    for head in (greedy, None):
+        model.greedy_head = head
+        before = greedy.checked
+        runs.append(([o.outputs[0].token_ids for o in bf16.generate(prompts, params)],
+                     bf16.generate(prompts[:1], params)[0].outputs[0].token_ids, greedy.checked - before))
+    model.greedy_head = greedy
+    (batched, alone, checked), (batched_without, alone_without, unchecked) = runs
+    assert checked > 0 and unchecked == 0
+    assert batched == batched_without and alone == alone_without
+    bf16.check_integrity()

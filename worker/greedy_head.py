@@ -106,31 +106,40 @@ def _int8_copy(head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 class GreedyHead:
     def __init__(self, kernels: CpuKernels, head: torch.Tensor, packed: PackedWeight, kept: bool = False):
-        """head: the float32 head [V, K] (its row norms are taken here); packed: the same head as the
-        float32 GEMM packed it. The float32 logits left to compute read the head's rows: from `head`
-        itself where the caller keeps it anyway (kept: a tied embedding), else from the packed copy
-        (the same values, a read every group's width of floats)."""
-        if head.dtype != torch.float32 or packed.data.dtype != torch.float32 or head.shape != (packed.n, packed.k):
-            raise ValueError("GreedyHead needs a float32 head and its packed float32 copy")
+        """head: the head [V, K] (its row norms are taken here); packed: the same head as the model's
+        GEMM packed it, float32 or, for a bf16 model, bf16 (which takes the int8 copy only: its
+        logits are its GEMM's sums rounded to bf16, and the tokens the bound leaves are computed
+        group by group by that GEMM). The float32 logits left to compute read the head's rows: from
+        `head` itself where the caller keeps it anyway (kept: a tied embedding), else from the packed
+        copy (the same values, a read every group's width of floats)."""
+        self.model_bf16 = packed.data.dtype == torch.bfloat16
+        if head.shape != (packed.n, packed.k) or head.dtype != packed.data.dtype \
+                or head.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("GreedyHead needs a float32 or bf16 head and its packed copy of the same dtype")
         lib = self._lib = kernels._lib
         if not available(kernels):
             raise ValueError("this build's float32 products are not fused multiply-add chains (see csrc/greedy_head.c)")
         lib.kvs_greedy_head.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
         lib.kvs_greedy_head.restype = ctypes.c_int64
-        lib.kvs_greedy_head_int8.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
+        lib.kvs_greedy_head_int8.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3
         lib.kvs_greedy_head_int8.restype = ctypes.c_int64
         lib.kvs_int8_head_approx.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 \
             + [ctypes.c_int64] + [ctypes.c_void_p] * 2
         lib.kvs_int8_head_approx.restype = ctypes.c_int
         self.packed = packed
-        self.head_rows = head.contiguous() if kept else None
         self.copy = chosen_copy(kernels)
+        if self.model_bf16 and (self.copy != "int8" or kernels.amx):
+            raise ValueError("a bf16 model's greedy head needs the int8 copy, and the GEMM's own groups (no AMX tiles)")
+        head = head.float()
+        self.head_rows = head.contiguous() if kept and not self.model_bf16 else None
         self.bf16: PackedWeight | None = None
         if self.copy == "int8":
             self.int8, self.int8_scale, self.int8_rowsum, self.int8_enorm = _int8_copy(head)
         else:
             bf16 = head.bfloat16()
             self.bf16 = kernels.pack(bf16, out=empty_on_huge_pages(kernels.packed_numel(bf16), torch.bfloat16))
+        groups = -(-packed.n // kernels.gemm_group)
+        self._group_elems = packed.data.numel() // groups  # a packed group's elements (a bf16 model's GEMM)
         # each row's norm from above: a float32 sum of K squares is within about K 2^-24 of its value
         # (its root within half that), which the raise covers twice over, with the last rounding
         k = head.shape[1]
@@ -138,6 +147,7 @@ class GreedyHead:
         self._approx: torch.Tensor | None = None  # [rows, V] approximate logits, kept between steps
         self.checked = 0  # float32 logits computed so far, over every row (for tests and benchmarks)
         self.max_rows: int | None = None  # the most rows `tokens` takes (None: any number); see tune
+        self.row_limit: int | None = None  # the most rows tune may allow (None: any number)
         self._kernels = kernels
 
     @property
@@ -149,15 +159,18 @@ class GreedyHead:
                                         + self.norms.numel())
 
     def tokens(self, x: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The greedy token of each row of x [N, K] (float32, the head's input after the final norm):
-        int64 [N], the first index of each row's largest float32 logit; None where a row holds a
-        non-finite value (the caller then takes the float32 logits and torch's rules). values (float32
-        [N], optional) receives those logits."""
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.packed.k:
-            raise ValueError(f"GreedyHead.tokens needs float32 rows [N, {self.packed.k}]")
+        """The greedy token of each row of x [N, K] (the head's input after the final norm, in the
+        model's dtype): int64 [N], the first index of each row's largest logit (float32, or for a
+        bf16 model its GEMM's logits rounded to bf16); None where a row holds a non-finite value (the
+        caller then takes the logits and torch's rules). values (float32 [N], optional) receives
+        those logits."""
+        if x.dtype != self.packed.data.dtype or x.dim() != 2 or x.shape[1] != self.packed.k:
+            raise ValueError(f"GreedyHead.tokens needs {self.packed.data.dtype} rows [N, {self.packed.k}]")
         if not self.takes(x.shape[0]):
             return None  # the float32 head is as fast here (see tune)
         x = x.contiguous()
+        xb = x if self.model_bf16 else None  # a bf16 model's rows as its GEMM takes them
+        x = x.float() if self.model_bf16 else x
         n, v, k = x.shape[0], self.packed.n, self.packed.k
         if values is not None and (values.dtype != torch.float32 or values.shape != (n,) or not values.is_contiguous()):
             raise ValueError(f"GreedyHead.tokens: values must be a dense float32 [{n}]")
@@ -177,17 +190,19 @@ class GreedyHead:
                 rc = self._lib.kvs_greedy_head(xr.data_ptr(), approx.data_ptr(), self.packed.data.data_ptr(), head,
                                                self.norms.data_ptr(), *tail)
             else:
+                bf16 = (None, None, 0) if xb is None else (xb[r0:].data_ptr(), self.packed.data.data_ptr(),
+                                                            self._group_elems)
                 rc = self._lib.kvs_greedy_head_int8(xr.data_ptr(), approx.data_ptr(), xnorms.data_ptr(),
-                                                    self.packed.data.data_ptr(), head, self.norms.data_ptr(),
-                                                    self.int8_enorm.data_ptr(), *tail)
+                                                    None if xb is not None else self.packed.data.data_ptr(), head,
+                                                    self.norms.data_ptr(), self.int8_enorm.data_ptr(), *bf16, *tail)
             if rc:
                 return None
         self.checked += int(checked.sum())
         return out
 
     def approx_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The copy's logits of x [N, K] (float32): what the first pass bounds (for tests)."""
-        x = x.contiguous()
+        """The copy's logits of x [N, K]: what the first pass bounds (for tests)."""
+        x = x.float().contiguous()
         approx = torch.empty(x.shape[0], self.packed.n, dtype=torch.float32)
         if self._approx_into(x, approx) is None:
             raise MemoryError("no memory for the int8 copy's work")
@@ -218,35 +233,43 @@ class GreedyHead:
         16, 24, 32, 48 and 64 rows in turn until the float32 head's median is the lower, and keeps the
         last count at which the copy won (None if it won at all of them, 0 if at none). On a 2-core
         Zen 3 EPYC (AVX2), over five timings, the copy ran 1.5-2.2x faster at 1-4 rows, 0.92-1.65x at
-        8, 0.87-1.27x at 12 and 0.87-1.04x at 16-32. The tokens are the same bits either way.
-        KVSTRATA_GREEDY_HEAD_ROWS (a whole number) sets it without timing."""
+        8, 0.87-1.27x at 12 and 0.87-1.04x at 16-32. A bf16 model's int8 copy is timed so against
+        the model's own bf16 head. The tokens are the same bits either way. KVSTRATA_GREEDY_HEAD_ROWS
+        (a whole number) sets it without timing."""
         env = os.environ.get(ROWS_ENV)
         if env is not None:
             if not env.isdigit():
                 raise ValueError(f"{ROWS_ENV} must be a whole number of rows, not {env!r}")
             self.max_rows = int(env)
-        elif self._kernels.amx or self._kernels.bf16_dot or self.copy == "int8":
+        elif (self._kernels.amx or self._kernels.bf16_dot or self.copy == "int8") and not self.model_bf16:
             self.max_rows = None
         else:
-            self._kernels.tune_wide_copy([self.bf16])  # how its blocks of 16 rows and more widen (once a process)
+            if self.bf16 is not None:  # how its blocks of 16 rows and more widen (once a process)
+                self._kernels.tune_wide_copy([self.bf16])
             checked = self.checked
             self.max_rows = None
             last = 0
             for rows in _TUNE_ROWS:
+                if self.row_limit is not None and rows > self.row_limit:
+                    self.max_rows = last
+                    break
                 head, copy = self._time_both(rows, rounds)
                 if copy >= head:
                     self.max_rows = last
                     break
                 last = rows
             self.checked = checked
+        if self.row_limit is not None and (self.max_rows is None or self.max_rows > self.row_limit):
+            self.max_rows = self.row_limit
         return self.max_rows
 
     def _time_both(self, rows: int, rounds: int) -> tuple[float, float]:
         """Median seconds of the float32 head with its argmax, and of `tokens`, at `rows` random rows,
         alternating; the first round only brings both to the same state."""
-        x = torch.randn(rows, self.packed.k, generator=torch.Generator().manual_seed(rows))
+        x = torch.randn(rows, self.packed.k, generator=torch.Generator().manual_seed(rows)).to(self.packed.data.dtype)
         times: tuple[list[float], list[float]] = ([], [])
-        ways = (lambda: self._kernels.argmax(self._kernels.gemm(x, self.packed, None)), lambda: self.tokens(x))
+        ways = (lambda: self._kernels.argmax(self._kernels.gemm(x, self.packed, None, to_float=True)),
+                lambda: self.tokens(x))
         for r in range(rounds + 1):
             for i in ((0, 1) if r % 2 else (1, 0)):
                 t0 = time.perf_counter()

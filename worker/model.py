@@ -23,7 +23,7 @@ from kvstrata.worker.rope import RotaryEmbedding
 from kvstrata.worker.tensor_parallel import TPShard
 
 # the greedy head's row limit (GreedyHead.tune) by head shape, timed once per process
-_GREEDY_HEAD_ROWS: dict[tuple[int, ...], int | None] = {}
+_GREEDY_HEAD_ROWS: dict[tuple, int | None] = {}  # by (head shape, dtype)
 
 
 @dataclass(slots=True)
@@ -239,19 +239,27 @@ class LlamaModel:
 
     def _make_greedy_head(self, head: torch.Tensor, dtype: torch.dtype,
                           shard: TPShard | None) -> greedy_head.GreedyHead | None:
-        """The greedy head for a whole float32 head that the packed GEMM multiplies, where this build
-        gives its bits and KVSTRATA_GREEDY_HEAD allows; else None."""
+        """The greedy head for a whole float32 or bf16 head that the packed GEMM multiplies, where this
+        build gives its bits and KVSTRATA_GREEDY_HEAD allows (for bf16, with the int8 copy and
+        without AMX tiles, and only for the rows the packed GEMM takes: oneDNN computes a bf16
+        head's logits beyond them); else None."""
         from kvstrata.worker.cpu_kernels import load_cpu_kernels
 
-        if dtype != torch.float32 or shard is not None or not isinstance(self.lm_head, PackedWeight):
+        packed, limit = self.lm_head, None
+        if isinstance(packed, tuple) and dtype == torch.bfloat16:  # HybridLinear: (packed, oneDNN)
+            packed, limit = packed[0], self.linear.max_packed_rows
+        if dtype not in (torch.float32, torch.bfloat16) or shard is not None or not isinstance(packed, PackedWeight):
             return None
         kernels = load_cpu_kernels()
         if not greedy_head.wanted() or kernels is None or not greedy_head.available(kernels):
             return None
-        made = greedy_head.GreedyHead(kernels, head, self.lm_head, kept=head is self.embed)
-        # up to how many rows it pays, where bf16 multiplies no faster than float32 (timed once per
-        # process and head shape, as the GEMM's switches are); none: not kept
-        shape = tuple(head.shape)
+        if dtype == torch.bfloat16 and (kernels.amx or greedy_head.chosen_copy(kernels) != "int8"):
+            return None
+        made = greedy_head.GreedyHead(kernels, head, packed, kept=head is self.embed)
+        made.row_limit = limit
+        # up to how many rows it pays, where the copy multiplies no faster than the model's head
+        # (timed once per process, head shape and dtype, as the GEMM's switches are); none: not kept
+        shape = (tuple(head.shape), dtype)
         if greedy_head.ROWS_ENV in os.environ:
             made.tune()  # the setting, untimed, and not kept for later loads
         elif shape in _GREEDY_HEAD_ROWS:

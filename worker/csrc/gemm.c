@@ -640,9 +640,12 @@ static inline __attribute__((always_inline)) void gemm(const void *x, const void
                                                        int64_t m, int64_t n, int64_t k, int mode, int form) {
     float *y = yv; /* float32 sums, the form of every call but the bf16 dot products' */
     int64_t groups = (n + NR - 1) / NR;
+    /* one group of one tile (the greedy head's candidates) on the calling thread: no team to wake, and
+     * none made afresh when the caller is inside a parallel region of one thread */
+    int alone = groups == 1 && m <= MR;
     if (m == 1 && (mode == 1 || (mode == 0 && two_groups_on))) { /* one row streams on its own path */
         int64_t step = two_groups_on ? 2 : 1;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (!alone)
         for (int64_t g = 0; g < groups; g += step) {
             int64_t last = g + step < groups ? g + step : groups; /* groups g .. last - 1 */
             int ncols = last * NR <= n ? NR : (int)(n - (last - 1) * NR);
@@ -661,7 +664,7 @@ static inline __attribute__((always_inline)) void gemm(const void *x, const void
         }
         return;
     }
-#pragma omp parallel
+#pragma omp parallel if (!alone)
     {
         /* a literal mode in each call: the parallel region is outlined into a function of its own,
          * where a mode read from the captured variables stayed a test inside the k loop */

@@ -67,15 +67,31 @@ static void exact_logits(const float *x, const float *rows, const float *wp, int
     memcpy(out, acc, (size_t)count * sizeof *out);
 }
 
+void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const float *bias, void *y, int form,
+                    int64_t m, int64_t n, int64_t k);
+
+/* A bf16 model's head (kvs_greedy_head_int8 with xb): the row of x in bf16, the packed bf16 head
+ * as the model's GEMM reads it (group_elems elements a group of nr columns), and room for a group's
+ * logits. Its logits are the GEMM's float32 sums rounded to bf16 (kvs_gemm_bf16x, Y_BF16_IN_F32),
+ * and a column's sum does not depend on which columns or rows are computed beside it, so one
+ * group's call gives the bits the whole head's would. */
+typedef struct {
+    const uint16_t *xb, *wb;
+    int64_t group_elems;
+    float *group;
+} Bf16Head;
+
 /* One row: its answer into *out (and its logit into *value, the tokens checked into *checked);
  * returns 0, or 1 where the row holds a non-finite value. idx [n + CHAINS] and top [blocks]: room.
  * The bound on |A_j - L_j| is E_j = cx wnorm_j + floor, plus ce enorm_j where the int8 copy gave A
- * (has_e; see kvs_greedy_head_int8). */
+ * (has_e; see kvs_greedy_head_int8). With bf (a bf16 model), the logits compared are L_j rounded to
+ * bf16, which equal the largest only where L_j is within a bf16 step of it (2^-7 of its size), so
+ * every token within 2^-6 of |m| below m is checked too, each candidate's group computed once. */
 static inline __attribute__((always_inline)) int pick_row(const float *xr, const float *a, const float *wp,
                                                           const float *head, const float *wnorm, const float *enorm,
-                                                          int has_e, int64_t n, int64_t k, float cx, float ce,
-                                                          int32_t *idx, float *top, int64_t *out, float *value,
-                                                          int64_t *checked) {
+                                                          int has_e, const Bf16Head *bf, int64_t n, int64_t k,
+                                                          float cx, float ce, int32_t *idx, float *top, int64_t *out,
+                                                          float *value, int64_t *checked) {
     const int64_t nr = kvs_gemm_group(), blocks = (n + BLOCK - 1) / BLOCK;
     const float floor_e = (float)k * 0x1p-120f;
     if (!isfinite(cx) || !isfinite(ce) || n == 0) return 1;
@@ -111,7 +127,7 @@ static inline __attribute__((always_inline)) int pick_row(const float *xr, const
     int nan = 0;
     for (int i = 0; i < VW; i++) nan |= lanes_bad[i];
     if (nan || !isfinite(m) || !isfinite(big)) return 1;
-    float floor_m = m - big * 0x1p-18f; /* every token at or above it is checked */
+    float floor_m = m - big * 0x1p-18f - (bf ? fabsf(m) * 0x1p-6f : 0.0f); /* every token at or above it is checked */
     /* pass 2, over the blocks that may hold one (a block's top and a token's sum, rounded apart,
      * differ by far less than the margin): the tokens the bound leaves, in index order */
     int64_t count = 0;
@@ -132,7 +148,20 @@ static inline __attribute__((always_inline)) int pick_row(const float *xr, const
     /* their float32 logits, CHAINS at a time; the first of the largest */
     float best = -INFINITY;
     int64_t at = -1;
-    for (int64_t i0 = 0; i0 < count; i0 += CHAINS) {
+    for (int64_t i = 0, last = -1; bf && i < count; i++) {
+        int64_t g = idx[i] / nr;
+        if (g != last) { /* the candidate's group, by the model's own GEMM */
+            int64_t cols = (g + 1) * nr <= n ? nr : n - g * nr;
+            kvs_gemm_bf16x(bf->xb, k, bf->wb + g * bf->group_elems, NULL, bf->group, Y_BF16_IN_F32, 1, cols, k);
+            last = g;
+        }
+        float l = bf->group[idx[i] - g * nr];
+        if (at < 0 || l > best) {
+            best = l;
+            at = idx[i];
+        }
+    }
+    for (int64_t i0 = 0; !bf && i0 < count; i0 += CHAINS) {
         int take = count - i0 < CHAINS ? (int)(count - i0) : CHAINS;
         float l[CHAINS];
         exact_logits(xr, head, wp, k, nr, idx + i0, take, l);
@@ -167,18 +196,21 @@ static inline double gamma_k(int64_t k) {
  * so E_j = c1 |w_j| + c2 |e_j| + K 2^-120, with g = gamma_K + 2^-20, c1 = |e_x| + 3 gamma_K |x| +
  * g (|x| + |e_x|) and c2 = (|x| + |e_x|) (1 + g), both rounded up. */
 int64_t kvs_greedy_head_int8(const float *x, const float *approx, const float *xnorms, const float *wp,
-                             const float *head, const float *wnorm, const float *enorm, int64_t rows, int64_t n,
-                             int64_t k, int64_t *out, float *value, int64_t *checked) {
+                             const float *head, const float *wnorm, const float *enorm, const uint16_t *xb,
+                             const uint16_t *wb, int64_t group_elems, int64_t rows, int64_t n, int64_t k,
+                             int64_t *out, float *value, int64_t *checked) {
     const double gamma = gamma_k(k), c = 0x1p-8 + 0x1p-16 + 3.0 * gamma, up = 1.0 + 0x1p-20;
     int64_t bad_rows = 0, no_memory = 0;
 #pragma omp parallel reduction(+ : bad_rows, no_memory) if (rows > 1)
     {
         int32_t *idx = malloc((size_t)(n + CHAINS) * sizeof *idx); /* a row's tokens left to check */
         float *top = malloc((size_t)((n + BLOCK - 1) / BLOCK + 1) * sizeof *top); /* each block's largest A_j + E_j */
-        no_memory += idx == NULL || top == NULL;
+        Bf16Head bf = {NULL, wb, group_elems, xb ? malloc((size_t)kvs_gemm_group() * sizeof(float)) : NULL};
+        no_memory += idx == NULL || top == NULL || (xb && bf.group == NULL);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            if (idx == NULL || top == NULL) continue;
+            if (idx == NULL || top == NULL || (xb && bf.group == NULL)) continue;
+            bf.xb = xb ? xb + r * k : NULL;
             const float *xr = x + r * k;
             int64_t *o = out + r, *ch = checked ? checked + r : NULL;
             float *val = value ? value + r : NULL;
@@ -186,16 +218,18 @@ int64_t kvs_greedy_head_int8(const float *x, const float *approx, const float *x
                 double xs = 0.0;
                 for (int64_t kk = 0; kk < k; kk++) xs += (double)xr[kk] * xr[kk];
                 float cx = (float)(c * sqrt(xs) * up); /* c |x|, rounded well up */
-                bad_rows += pick_row(xr, approx + r * n, wp, head, wnorm, NULL, 0, n, k, cx, 0.0f, idx, top, o, val,
-                                     ch);
+                bad_rows += pick_row(xr, approx + r * n, wp, head, wnorm, NULL, 0, NULL, n, k, cx, 0.0f, idx, top, o,
+                                     val, ch);
             } else {
                 double xn = xnorms[2 * r], en = xnorms[2 * r + 1];
                 double g = gamma + 0x1p-20;
                 float c1 = (float)((en + 3.0 * gamma * xn + g * (xn + en)) * up);
                 float c2 = (float)((xn + en) * (1.0 + g) * up);
-                bad_rows += pick_row(xr, approx + r * n, wp, head, wnorm, enorm, 1, n, k, c1, c2, idx, top, o, val, ch);
+                bad_rows += pick_row(xr, approx + r * n, wp, head, wnorm, enorm, 1, xb ? &bf : NULL, n, k, c1, c2, idx,
+                                     top, o, val, ch);
             }
         }
+        free(bf.group);
         free(idx);
         free(top);
     }
@@ -373,5 +407,6 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
  * the float32 logits each row computed. */
 int64_t kvs_greedy_head(const float *x, const float *approx, const float *wp, const float *head, const float *wnorm,
                         int64_t rows, int64_t n, int64_t k, int64_t *out, float *value, int64_t *checked) {
-    return kvs_greedy_head_int8(x, approx, NULL, wp, head, wnorm, NULL, rows, n, k, out, value, checked);
+    return kvs_greedy_head_int8(x, approx, NULL, wp, head, wnorm, NULL, NULL, NULL, 0, rows, n, k, out, value,
+                                checked);
 }
