@@ -46,6 +46,16 @@ def _head(vocab: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return head, x
 
 
+def _made(copy_env, copy: str, make, vocab: int, k: int, kept: bool = False):
+    """(head, x, packed head, GreedyHead) for `make`'s head and rows, with the given copy."""
+    from kvstrata.worker.greedy_head import GreedyHead
+
+    copy_env(copy)
+    head, x = make(vocab, k, seed=vocab + k)
+    packed = KERNELS.pack(head)
+    return head, x, packed, GreedyHead(KERNELS, head, packed, kept=kept)
+
+
 def _reference(x: torch.Tensor, packed) -> torch.Tensor:
     logits = KERNELS.gemm(x, packed, None, to_float=True)  # the float32 head, as the engine computes it
     return KERNELS.argmax(logits)
@@ -56,12 +66,7 @@ def _reference(x: torch.Tensor, packed) -> torch.Tensor:
 # a last group of the head part empty, an odd width (the bf16 pairs padded), a tail past the last vector and block
 @pytest.mark.parametrize("vocab,k", [(1000, 576), (1000, 63), (49152 + 7, 576)])
 def test_greedy_tokens_are_the_float32_logits_argmax(kept, vocab, k, copy_env):
-    from kvstrata.worker.greedy_head import GreedyHead
-
-    copy_env("bf16")
-    head, x = _head(vocab, k, seed=vocab + k)
-    packed = KERNELS.pack(head)
-    greedy = GreedyHead(KERNELS, head, packed, kept=kept)
+    head, x, packed, greedy = _made(copy_env, "bf16", _head, vocab, k, kept)
     want = _reference(x, packed)
     approx = KERNELS.gemm(x, KERNELS.pack(head.bfloat16()), None, to_float=True)
     assert (approx.argmax(dim=1)[:8] == 0).all() and (want[:8] == 1).all()  # the bf16 products alone get these wrong
@@ -103,12 +108,7 @@ def _int8_head(vocab: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
 # a tail past the last vector of a tile, k not a whole number of quads, a tail past the last tile and block
 @pytest.mark.parametrize("vocab,k", [(1000, 576), (1000, 63), (49152 + 7, 576)])
 def test_int8_copy_tokens_are_the_float32_logits_argmax(kept, vocab, k, copy_env):
-    from kvstrata.worker.greedy_head import GreedyHead
-
-    copy_env("int8")
-    head, x = _int8_head(vocab, k, seed=vocab + k)
-    packed = KERNELS.pack(head)
-    greedy = GreedyHead(KERNELS, head, packed, kept=kept)
+    head, x, packed, greedy = _made(copy_env, "int8", _int8_head, vocab, k, kept)
     assert greedy.copy == "int8" and greedy.bf16 is None
     want = _reference(x, packed)
     approx = greedy.approx_logits(x)
@@ -170,10 +170,7 @@ def test_a_bf16_models_greedy_tokens_are_its_own_logits_argmax(vocab, k, copy_en
 
     if KERNELS.amx:
         pytest.skip("a bf16 model's greedy head needs the GEMM's own groups, not AMX tiles")
-    copy_env("int8")
-    head, x = _bf16_model_head(vocab, k, seed=vocab + k)
-    packed = KERNELS.pack(head)
-    greedy = GreedyHead(KERNELS, head, packed, kept=True)
+    head, x, packed, greedy = _made(copy_env, "int8", _bf16_model_head, vocab, k, kept=True)
     assert greedy.model_bf16 and greedy.head_rows is None
     logits = KERNELS.gemm(x, packed, None, to_float=True)  # the model's own logits, as bf16 values
     want = KERNELS.argmax(logits)
