@@ -323,6 +323,37 @@ static inline __attribute__((always_inline)) void int8_tile(const uint32_t *hi, 
 #define HAVE_INT8_HEAD 0
 #endif
 
+/* The int8 copy of a float32 head w [n, k], in one pass a row: s_j = max |w_j| / 127 into scale[j],
+ * q_j = round(w_j / s_j) (within +-127) into its tile of qp (laid out as above, for n padded to whole
+ * tiles and k to whole quads; the caller zeroes qp, scale and rowsum first, so that the padding is
+ * zero), sum_k q_jk into rowsum[j], and |e_j| = |w_j - s_j q_j| into enorm[j], each element of e_j
+ * computed in double (s_j q_jk is exact there) and the norm rounded up. */
+void kvs_int8_head_pack(const float *w, int64_t n, int64_t k, int8_t *qp, float *scale, int32_t *rowsum,
+                        float *enorm) {
+    int64_t kq = (k + 3) / 4;
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        const float *row = w + j * k;
+        float big = 0.0f;
+        for (int64_t kk = 0; kk < k; kk++) big = fabsf(row[kk]) > big ? fabsf(row[kk]) : big;
+        float s = big / 127.0f, inv = big > 0.0f ? 1.0f / s : 0.0f;
+        int8_t *tile = qp + (j / Q_COLS) * kq * 4 * Q_COLS + (j % Q_COLS) * 4;
+        int32_t sum = 0;
+        double es = 0.0;
+        for (int64_t kk = 0; kk < k; kk++) {
+            float v = nearbyintf(row[kk] * inv);
+            int32_t q = v > 127.0f ? 127 : v < -127.0f ? -127 : (int32_t)v;
+            tile[(kk / 4) * 4 * Q_COLS + kk % 4] = (int8_t)q;
+            sum += q;
+            double e = (double)row[kk] - (double)s * (double)q;
+            es += e * e;
+        }
+        scale[j] = s;
+        rowsum[j] = sum;
+        enorm[j] = (float)(sqrt(es) * (1.0 + 0x1p-20));
+    }
+}
+
 /* Whether this build has the int8 copy's products (AVX-512 with VNNI). */
 int kvs_int8_head_available(void) { return HAVE_INT8_HEAD; }
 
