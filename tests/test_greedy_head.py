@@ -127,6 +127,41 @@ def test_int8_copy_tokens_are_the_float32_logits_argmax(kept, vocab, k, copy_env
 
 
 @needs_int8
+def test_the_int8_copys_scales_sums_and_residual_norms_bound_what_they_claim(copy_env):
+    """What the bound rests on, against float64: each row's codes times its scale, its code sum, and
+    |w_j - s_j q_j| from above (and barely above); each input row's |x| and |x - s_x qx| likewise."""
+    from kvstrata.worker.greedy_head import GreedyHead
+
+    copy_env("int8")
+    gen = torch.Generator().manual_seed(11)
+    v, k = 130, 70  # a partial last tile and a partial last quad
+    head = torch.randn(v, k, generator=gen) * torch.rand(v, 1, generator=gen)
+    greedy = GreedyHead(KERNELS, head, KERNELS.pack(head))
+    quads, cols = (k + 3) // 4, -(-v // 64) * 64
+    q = greedy.int8.view(cols // 64, quads, 64, 4).permute(0, 2, 1, 3).reshape(cols, 4 * quads)
+    assert (q[v:] == 0).all() and (q[:, k:] == 0).all()  # the padding
+    q = q[:v, :k].double()
+    scale = greedy.int8_scale[:v].double()
+    w = head.double()
+    assert torch.equal(scale, (head.abs().amax(dim=1) / 127).double())
+    assert (q.abs() <= 127).all() and ((w / scale[:, None] - q).abs() <= 0.5 + 1e-6).all()
+    assert torch.equal(greedy.int8_rowsum[:v], q.sum(dim=1).int())
+    residual = (w - scale[:, None] * q).norm(dim=1)
+    enorm = greedy.int8_enorm.double()
+    assert (enorm >= residual).all() and (enorm <= residual * (1 + 1e-5) + 1e-30).all()
+    x = torch.randn(5, k, generator=gen) * 3
+    x[2, 7] = 40.0  # one large value coarsens its row's scale
+    xnorms = greedy._approx_into(x, torch.empty(5, v)).double()
+    xd = x.double()
+    sx = xd.abs().amax(dim=1, keepdim=True).float().double() / 32767
+    assert (xnorms[:, 0] >= xd.norm(dim=1)).all() and (xnorms[:, 0] <= xd.norm(dim=1) * (1 + 1e-5)).all()
+    # |e_x| is at most half a step an element, and at least what rounding x itself to 16 bits leaves
+    assert (xnorms[:, 1] <= (sx[:, 0] / 2) * k ** 0.5 * (1 + 1e-5)).all()
+    ideal = (xd - (xd / sx).round() * sx).norm(dim=1)
+    assert (xnorms[:, 1] >= ideal * (1 - 1e-3)).all()
+
+
+@needs_int8
 def test_the_int8_copy_of_a_zero_row_and_of_zero_inputs(copy_env):
     """A head row of zeros (no scale) and an input row of zeros (every token ties at 0: the first wins)."""
     from kvstrata.worker.greedy_head import GreedyHead
