@@ -1,4 +1,4 @@
-"""Greedy decoding's LM head for float32 models on CPU, from a smaller copy of the head.
+"""Greedy decoding's LM head on CPU, from a smaller copy of the head (float32 models, and bf16 ones).
 
 Greedy rows need each row's argmax, not its float32 logits. The head is multiplied in a copy of
 fewer bytes first, which bounds every logit; only the tokens the bound leaves get their float32
@@ -89,7 +89,6 @@ def _int8_copy(kernels: CpuKernels, head: torch.Tensor) -> tuple[torch.Tensor, t
     rowsum = torch.zeros(cols, dtype=torch.int32)
     enorm = torch.empty(v, dtype=torch.float32)
     head = head.contiguous()
-    kernels._lib.kvs_int8_head_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4
     kernels._lib.kvs_int8_head_pack(head.data_ptr(), v, k, packed.data_ptr(), scale.data_ptr(), rowsum.data_ptr(),
                                     enorm.data_ptr())
     return packed, scale, rowsum, enorm
@@ -117,6 +116,8 @@ class GreedyHead:
         lib.kvs_int8_head_approx.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 \
             + [ctypes.c_int64] + [ctypes.c_void_p] * 2
         lib.kvs_int8_head_approx.restype = ctypes.c_int
+        lib.kvs_int8_head_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4
+        lib.kvs_int8_head_pack.restype = None
         self.packed = packed
         self.copy = chosen_copy(kernels)
         if self.model_bf16 and (self.copy != "int8" or kernels.amx):
@@ -181,11 +182,12 @@ class GreedyHead:
                 rc = self._lib.kvs_greedy_head(xr.data_ptr(), approx.data_ptr(), self.packed.data.data_ptr(), head,
                                                self.norms.data_ptr(), *tail)
             else:
-                bf16 = (None, None, 0) if xb is None else (xb[r0:].data_ptr(), self.packed.data.data_ptr(),
-                                                            self._group_elems)
+                model_rows = (None, None, 0) if xb is None else (xb[r0:].data_ptr(), self.packed.data.data_ptr(),
+                                                                  self._group_elems)
                 rc = self._lib.kvs_greedy_head_int8(xr.data_ptr(), approx.data_ptr(), xnorms.data_ptr(),
                                                     None if xb is not None else self.packed.data.data_ptr(), head,
-                                                    self.norms.data_ptr(), self.int8_enorm.data_ptr(), *bf16, *tail)
+                                                    self.norms.data_ptr(), self.int8_enorm.data_ptr(), *model_rows,
+                                                    *tail)
             if rc:
                 return None
         self.checked += int(checked.sum())

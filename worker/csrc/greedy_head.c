@@ -237,7 +237,7 @@ int64_t kvs_greedy_head_int8(const float *x, const float *approx, const float *x
 }
 
 /* The int8 copy of the head: each row j scaled by s_j = max |w_j| / 127 and rounded, q_j = round(w_j /
- * s_j) (the caller makes it, with s_j, sum_k q_jk and |e_j| = |w_j - s_j q_j|), packed in tiles of
+ * s_j) (kvs_int8_head_pack makes it, with s_j, sum_k q_jk and |e_j| = |w_j - s_j q_j|), packed in tiles of
  * Q_COLS columns: qp[t][kq][c][4] = q[Q_COLS t + c, 4 kq .. 4 kq + 3], a tile's k quad one 256-byte
  * line run, its four vectors Q_GROUP columns each. Each row of x is taken to 16 bits, qx = round(x /
  * s_x), s_x = max |x| / 32767, split as qx = 256 hi + lo (lo in 0 .. 255, hi + 128 too), and each
@@ -264,16 +264,15 @@ static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i
     return acc;
 }
 
-/* Rows r0 .. r0 + R - 1 against tile t: their approximate logits into approx [rows, n]. */
 #define Q_ZERO(i) __m512i h##i##0 = _mm512_setzero_si512(), h##i##1 = h##i##0, h##i##2 = h##i##0, h##i##3 = h##i##0, \
                           l##i##0 = h##i##0, l##i##1 = h##i##0, l##i##2 = h##i##0, l##i##3 = h##i##0
 #define Q_ROW(i)                                                                                                  \
     do {                                                                                                          \
         __m512i bh = _mm512_set1_epi32((int)hi[(i) * kq + kk]), bl = _mm512_set1_epi32((int)lo[(i) * kq + kk]);   \
-        h##i##0 = dpbusd(h##i##0, bh, w0), l##i##0 = dpbusd(l##i##0, bl, w0);          \
-        h##i##1 = dpbusd(h##i##1, bh, w1), l##i##1 = dpbusd(l##i##1, bl, w1);          \
-        h##i##2 = dpbusd(h##i##2, bh, w2), l##i##2 = dpbusd(l##i##2, bl, w2);          \
-        h##i##3 = dpbusd(h##i##3, bh, w3), l##i##3 = dpbusd(l##i##3, bl, w3);          \
+        h##i##0 = dpbusd(h##i##0, bh, w0), l##i##0 = dpbusd(l##i##0, bl, w0);                                     \
+        h##i##1 = dpbusd(h##i##1, bh, w1), l##i##1 = dpbusd(l##i##1, bl, w1);                                     \
+        h##i##2 = dpbusd(h##i##2, bh, w2), l##i##2 = dpbusd(l##i##2, bl, w2);                                     \
+        h##i##3 = dpbusd(h##i##3, bh, w3), l##i##3 = dpbusd(l##i##3, bl, w3);                                     \
     } while (0)
 #define Q_OUT(i)                                                                                                  \
     do {                                                                                                          \
@@ -294,6 +293,8 @@ static inline __attribute__((always_inline)) void q_emit_at(__m512i high_sum, __
     _mm512_mask_storeu_ps(y + c0, mask, a);
 }
 
+/* Rows r0 .. r0 + R - 1 (their quads at hi and lo) against tile t: their approximate logits into
+ * approx [rows, n], from row r0's. */
 static inline __attribute__((always_inline)) void int8_tile(const uint32_t *hi, const uint32_t *lo, int64_t kq,
                                                             const int8_t *qp, const float *scale, const int32_t *rowsum,
                                                             const float *sx, int64_t t, int64_t n, int R,
@@ -358,7 +359,8 @@ void kvs_int8_head_pack(const float *w, int64_t n, int64_t k, int8_t *qp, float 
 int kvs_int8_head_available(void) { return HAVE_INT8_HEAD; }
 
 /* approx [rows, n] = each row of x [rows, k] times the int8 copy (qp, packed as above for n columns
- * padded to whole tiles and k to whole quads; scale [n] s_j, rowsum [n] sum_k q_jk), and xnorms
+ * padded to whole tiles and k to whole quads; scale s_j and rowsum sum_k q_jk as long as the padded
+ * columns, zero past n), and xnorms
  * [rows, 2] each row's |x| and |e_x| = |x - s_x qx| (in double, rounded up), for
  * kvs_greedy_head_int8. A row with a non-finite value gets NaN norms (its pick then fails, and the
  * caller takes the float32 head). Returns 0, -1 without memory, -2 in a build without the products. */
