@@ -109,10 +109,8 @@ class GreedyHead:
         lib = self._lib = kernels._lib
         if not available(kernels):
             raise ValueError("this build's float32 products are not fused multiply-add chains (see csrc/greedy_head.c)")
-        lib.kvs_greedy_head.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
+        lib.kvs_greedy_head.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3
         lib.kvs_greedy_head.restype = ctypes.c_int64
-        lib.kvs_greedy_head_int8.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3
-        lib.kvs_greedy_head_int8.restype = ctypes.c_int64
         lib.kvs_int8_head_approx.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 \
             + [ctypes.c_int64] + [ctypes.c_void_p] * 2
         lib.kvs_int8_head_approx.restype = ctypes.c_int
@@ -178,17 +176,12 @@ class GreedyHead:
             xnorms = self._approx_into(xr, approx)
             if xnorms is None:
                 return None
-            if self.bf16 is not None:
-                rc = self._lib.kvs_greedy_head(xr.data_ptr(), approx.data_ptr(), self.packed.data.data_ptr(), head,
-                                               self.norms.data_ptr(), *tail)
-            else:
-                model_rows = (None, None, 0) if xb is None else (xb[r0:].data_ptr(), self.packed.data.data_ptr(),
-                                                                  self._group_elems)
-                rc = self._lib.kvs_greedy_head_int8(xr.data_ptr(), approx.data_ptr(), xnorms.data_ptr(),
-                                                    None if xb is not None else self.packed.data.data_ptr(), head,
-                                                    self.norms.data_ptr(), self.int8_enorm.data_ptr(), *model_rows,
-                                                    *tail)
-            if rc:
+            int8 = (None, None) if self.bf16 is not None else (xnorms.data_ptr(), self.int8_enorm.data_ptr())
+            model_rows = (None, None, 0) if xb is None else (xb[r0:].data_ptr(), self.packed.data.data_ptr(),
+                                                              self._group_elems)
+            if self._lib.kvs_greedy_head(xr.data_ptr(), approx.data_ptr(), int8[0],
+                                         None if xb is not None else self.packed.data.data_ptr(), head,
+                                         self.norms.data_ptr(), int8[1], *model_rows, *tail):
                 return None
         self.checked += int(checked.sum())
         return out

@@ -70,7 +70,7 @@ static void exact_logits(const float *x, const float *rows, const float *wp, int
 void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const float *bias, void *y, int form,
                     int64_t m, int64_t n, int64_t k);
 
-/* A bf16 model's head (kvs_greedy_head_int8 with xb): the row of x in bf16, the packed bf16 head
+/* A bf16 model's head (kvs_greedy_head with xb): the row of x in bf16, the packed bf16 head
  * as the model's GEMM reads it (group_elems elements a group of nr columns), and room for a group's
  * logits. Its logits are the GEMM's float32 sums rounded to bf16 (kvs_gemm_bf16x, Y_BF16_IN_F32),
  * and a column's sum does not depend on which columns or rows are computed beside it, so one
@@ -84,7 +84,7 @@ typedef struct {
 /* One row: its answer into *out (and its logit into *value, the tokens checked into *checked);
  * returns 0, or 1 where the row holds a non-finite value. idx [n + CHAINS] and top [blocks]: room.
  * The bound on |A_j - L_j| is E_j = cx wnorm_j + floor, plus ce enorm_j where the int8 copy gave A
- * (has_e; see kvs_greedy_head_int8). With bf (a bf16 model), the logits compared are L_j rounded to
+ * (has_e; see kvs_greedy_head). With bf (a bf16 model), the logits compared are L_j rounded to
  * bf16, which equal the largest only where L_j is within a bf16 step of it (2^-7 of its size), so
  * every token within 2^-6 of |m| below m is checked too, each candidate's group computed once. */
 static inline __attribute__((always_inline)) int pick_row(const float *xr, const float *a, const float *wp,
@@ -183,9 +183,17 @@ static inline double gamma_k(int64_t k) {
     return (double)k * u / (1.0 - (double)k * u);
 }
 
-/* kvs_greedy_head, and the same for approx from the int8 copy (kvs_int8_head_approx): xnorms [rows, 2]
- * holds each row's |x| and |e_x|, and enorm [n] each head row's |e_j|, rounded up (NULL both for the
- * bf16 copy). The int8 copy's bound:
+/* For each of `rows` rows of x [rows, k] (the head's input) and approx [rows, n] (x times the copy of
+ * the head): the first index of the largest logit into out[r]. The float32 head: wp, packed as
+ * kvs_gemm_f32 reads it, and `head` [n, k] row-major where the caller has it (else NULL); for a bf16
+ * model instead xb (its rows of x in bf16), wb (its packed head) and group_elems (see Bf16Head).
+ * wnorm [n]: each head row's 2-norm, rounded up. With the int8 copy (kvs_int8_head_approx), xnorms
+ * [rows, 2] holds each row's |x| and |e_x|, and enorm [n] each head row's |e_j|, rounded up (NULL
+ * both for the bf16 copy). Returns the number of rows that held a non-finite value, or -1 without
+ * memory for the work (their out not set; the caller takes the full head then). value (NULL or
+ * [rows]): each answer's logit; checked (NULL or [rows]): the logits each row computed exactly.
+ *
+ * The int8 copy's bound:
  *
  *   A_j = (x - e_x) . (w_j - e_j) exactly in integers, scaled; x . w_j - that = e_x . w_j + x . e_j
  *   - e_x . e_j, so |A_j - x . w_j| <= |e_x| |w_j| + |x| |e_j| + |e_x| |e_j|; the float32 chain L_j
@@ -195,10 +203,10 @@ static inline double gamma_k(int64_t k) {
  *
  * so E_j = c1 |w_j| + c2 |e_j| + K 2^-120, with g = gamma_K + 2^-20, c1 = |e_x| + 3 gamma_K |x| +
  * g (|x| + |e_x|) and c2 = (|x| + |e_x|) (1 + g), both rounded up. */
-int64_t kvs_greedy_head_int8(const float *x, const float *approx, const float *xnorms, const float *wp,
-                             const float *head, const float *wnorm, const float *enorm, const uint16_t *xb,
-                             const uint16_t *wb, int64_t group_elems, int64_t rows, int64_t n, int64_t k,
-                             int64_t *out, float *value, int64_t *checked) {
+int64_t kvs_greedy_head(const float *x, const float *approx, const float *xnorms, const float *wp, const float *head,
+                        const float *wnorm, const float *enorm, const uint16_t *xb, const uint16_t *wb,
+                        int64_t group_elems, int64_t rows, int64_t n, int64_t k, int64_t *out, float *value,
+                        int64_t *checked) {
     const double gamma = gamma_k(k), c = 0x1p-8 + 0x1p-16 + 3.0 * gamma, up = 1.0 + 0x1p-20;
     int64_t bad_rows = 0, no_memory = 0;
 #pragma omp parallel reduction(+ : bad_rows, no_memory) if (rows > 1)
@@ -362,7 +370,7 @@ int kvs_int8_head_available(void) { return HAVE_INT8_HEAD; }
  * padded to whole tiles and k to whole quads; scale s_j and rowsum sum_k q_jk as long as the padded
  * columns, zero past n), and xnorms
  * [rows, 2] each row's |x| and |e_x| = |x - s_x qx| (in double, rounded up), for
- * kvs_greedy_head_int8. A row with a non-finite value gets NaN norms (its pick then fails, and the
+ * kvs_greedy_head. A row with a non-finite value gets NaN norms (its pick then fails, and the
  * caller takes the float32 head). Returns 0, -1 without memory, -2 in a build without the products. */
 int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *qp, const float *scale,
                          const int32_t *rowsum, int64_t n, float *approx, float *xnorms) {
@@ -429,17 +437,4 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
     (void)x, (void)rows, (void)k, (void)qp, (void)scale, (void)rowsum, (void)n, (void)approx, (void)xnorms;
     return -2;
 #endif
-}
-
-/* For each of `rows` rows of x [rows, k] (the head's input) and approx [rows, n] (x times the bf16
- * head, float32 sums): the first index of the largest float32 logit into out[r]. The float32 head:
- * wp, packed as kvs_gemm_f32 reads it, and `head` [n, k] row-major where the caller has it (else
- * NULL). wnorm [n]: each head row's 2-norm, rounded up. Returns the number of rows that held a
- * non-finite value, or -1 without memory for the work (their out not set; the caller takes the
- * float32 head then). value (NULL or [rows]): each answer's float32 logit; checked (NULL or [rows]):
- * the float32 logits each row computed. */
-int64_t kvs_greedy_head(const float *x, const float *approx, const float *wp, const float *head, const float *wnorm,
-                        int64_t rows, int64_t n, int64_t k, int64_t *out, float *value, int64_t *checked) {
-    return kvs_greedy_head_int8(x, approx, NULL, wp, head, wnorm, NULL, NULL, NULL, 0, rows, n, k, out, value,
-                                checked);
 }
