@@ -162,6 +162,40 @@ def test_the_int8_copys_scales_sums_and_residual_norms_bound_what_they_claim(cop
 
 
 @needs_int8
+@pytest.mark.parametrize("k", [576, 63])  # whole blocks of 64 for the tiles; a k the tiles leave to the vectors
+def test_the_int8_copys_tiles_give_the_vector_kernels_bits(k, copy_env):
+    """On AMX tiles (from 4 rows, and only where k is whole blocks of 64) the int8 copy's sums are
+    the vector kernel's, exact in integers, so its approximate logits are the same floats: rows
+    split into tile passes of up to 8, as even as they go (4 to 8 rows one pass, 9 two of 5 and 4,
+    17 three), a row with a non-finite value among them."""
+    import ctypes
+
+    if not KERNELS.amx:
+        pytest.skip("no AMX tiles here")
+    lib = KERNELS._lib
+    lib.kvs_int8_head_set_amx.argtypes = [ctypes.c_int]
+    lib.kvs_int8_head_set_amx.restype = ctypes.c_int
+    head, x, packed, greedy = _made(copy_env, "int8", _int8_head, 1000 + 9, k)
+    x = torch.cat([x, x * 3 + 1])[:41]
+    x[13, 5] = float("inf")
+    assert lib.kvs_int8_head_set_amx(-1) == 1  # on by default
+    try:
+        for rows in (1, 3, 4, 5, 8, 9, 16, 17, 24, 41):
+            lib.kvs_int8_head_set_amx(1)
+            tiles = greedy.approx_logits(x[:rows])
+            lib.kvs_int8_head_set_amx(0)
+            vectors = greedy.approx_logits(x[:rows])
+            finite = torch.isfinite(x[:rows]).all(dim=1)
+            assert torch.equal(tiles[finite], vectors[finite]), rows
+            assert tiles[finite].abs().max() > 0
+    finally:
+        lib.kvs_int8_head_set_amx(1)
+    assert greedy.tokens(x[:17]) is None  # row 13: the caller takes the float32 head
+    keep = torch.isfinite(x).all(dim=1)
+    assert torch.equal(greedy.tokens(x[keep]), _reference(x[keep], packed))
+
+
+@needs_int8
 def test_the_int8_copy_of_a_zero_row_and_of_zero_inputs(copy_env):
     """A head row of zeros (no scale) and an input row of zeros (every token ties at 0: the first wins)."""
     from kvstrata.worker.greedy_head import GreedyHead
@@ -203,8 +237,6 @@ def test_a_bf16_models_greedy_tokens_are_its_own_logits_argmax(vocab, k, copy_en
     tokens whose float32 sums lie within a bf16 step of the best are checked too."""
     from kvstrata.worker.greedy_head import GreedyHead
 
-    if KERNELS.amx:
-        pytest.skip("a bf16 model's greedy head needs the GEMM's own groups, not AMX tiles")
     head, x, packed, greedy = _made(copy_env, "int8", _bf16_model_head, vocab, k, kept=True)
     assert greedy.model_bf16 and greedy.head_rows is None
     logits = KERNELS.gemm(x, packed, None, to_float=True)  # the model's own logits, as bf16 values
@@ -233,7 +265,7 @@ def test_the_copy_is_chosen_by_its_switch_or_by_the_build(monkeypatch):
 
     monkeypatch.setattr(greedy_head, "int8_available", lambda kernels: vnni)
     monkeypatch.delenv(COPY_ENV, raising=False)
-    for vnni, amx, want in ((True, False, "int8"), (False, False, "bf16"), (True, True, "bf16")):
+    for vnni, amx, want in ((True, False, "int8"), (False, False, "bf16"), (True, True, "int8")):
         Build.amx = amx
         assert chosen_copy(Build) == want
     vnni = True
@@ -417,14 +449,13 @@ def test_the_engine_takes_greedy_tokens_only_for_greedy_rows_without_log_probs(l
 
 @needs_int8
 def test_a_bf16_engine_takes_greedy_tokens_from_the_int8_copy_with_the_same_outputs(monkeypatch):
-    """A bf16 model gets the int8 greedy head (no AMX tiles), for no more rows than its packed GEMM
-    takes; greedy requests come out the same tokens with it and without it, alone and batched."""
+    """A bf16 model gets the int8 greedy head (its candidates computed by the packed GEMM's groups,
+    or on AMX tiles by its pairs of tiles), for no more rows than that GEMM takes; greedy requests
+    come out the same tokens with it and without it, alone and batched."""
     from kvstrata import LLM
     from kvstrata.worker.greedy_head import ROWS_ENV
     from kvstrata.worker.sampling_params import SamplingParams
 
-    if KERNELS.amx:
-        pytest.skip("bf16 on AMX tiles keeps its own head")
     monkeypatch.delenv(greedy_head.COPY_ENV, raising=False)
     monkeypatch.setenv(ROWS_ENV, "1000000")  # every row count it may take, untimed
     bf16 = LLM("smollm2-135m", num_gpu_blocks=64, dtype="bfloat16")

@@ -240,9 +240,9 @@ class LlamaModel:
     def _make_greedy_head(self, head: torch.Tensor, dtype: torch.dtype,
                           shard: TPShard | None) -> greedy_head.GreedyHead | None:
         """The greedy head for a whole float32 or bf16 head that the packed GEMM multiplies, where this
-        build gives its bits and KVSTRATA_GREEDY_HEAD allows (for bf16, with the int8 copy and
-        without AMX tiles, and only for the rows the packed GEMM takes: oneDNN computes a bf16
-        head's logits beyond them); else None."""
+        build gives its bits and KVSTRATA_GREEDY_HEAD allows (for bf16, with the int8 copy, and only
+        for the rows the packed GEMM or the AMX tiles take: oneDNN computes a bf16 head's logits
+        beyond them); else None."""
         from kvstrata.worker.cpu_kernels import load_cpu_kernels
 
         packed, limit = self.lm_head, None
@@ -253,7 +253,7 @@ class LlamaModel:
         kernels = load_cpu_kernels()
         if not greedy_head.wanted() or kernels is None or not greedy_head.available(kernels):
             return None
-        if dtype == torch.bfloat16 and (kernels.amx or greedy_head.chosen_copy(kernels) != "int8"):
+        if dtype == torch.bfloat16 and greedy_head.chosen_copy(kernels) != "int8":
             return None
         made = greedy_head.GreedyHead(kernels, head, packed, kept=head is self.embed)
         made.row_limit = limit

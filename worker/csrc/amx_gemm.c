@@ -88,12 +88,6 @@ void kvs_amx_pack(const uint16_t *w, uint16_t *wp, int64_t n, int64_t k) {
 }
 
 #if HAVE_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
 /* Rows r0 .. r0 + rows - 1 (rows <= 32) of y against column pair j. Tiles: 0, 1 A (rows 0-15,
  * 16-31); 2, 3 B (the pair's two column tiles); 4-7 C (A row tile x B column tile). */
 static inline __attribute__((always_inline)) void pair_block(const uint16_t *xp, int64_t ldx, const uint16_t *wj,

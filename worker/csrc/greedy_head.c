@@ -69,15 +69,20 @@ static void exact_logits(const float *x, const float *rows, const float *wp, int
 
 void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const float *bias, void *y, int form,
                     int64_t m, int64_t n, int64_t k);
+void kvs_amx_gemm(const void *x, int x_bf16, const uint16_t *wp, const float *bias, void *y, int y_bf16, int64_t m,
+                  int64_t n, int64_t k);
+int kvs_amx_active(void);
 
 /* A bf16 model's head (kvs_greedy_head with xb): the row of x in bf16, the packed bf16 head
- * as the model's GEMM reads it (group_elems elements a group of nr columns), and room for a group's
- * logits. Its logits are the GEMM's float32 sums rounded to bf16 (kvs_gemm_bf16x, Y_BF16_IN_F32),
- * and a column's sum does not depend on which columns or rows are computed beside it, so one
- * group's call gives the bits the whole head's would. */
+ * as the model's GEMM reads it (group_elems elements a group of `cols` columns: the packed GEMM's
+ * groups, or on AMX tiles (amx) its pairs of 16-column tiles), and room for a group's logits. Its
+ * logits are the GEMM's float32 sums rounded to bf16 (Y_BF16_IN_F32), and a column's sum does not
+ * depend on which columns or rows are computed beside it, so one group's call gives the bits the
+ * whole head's would. */
 typedef struct {
     const uint16_t *xb, *wb;
-    int64_t group_elems;
+    int64_t group_elems, cols;
+    int amx;
     float *group;
 } Bf16Head;
 
@@ -149,13 +154,17 @@ static inline __attribute__((always_inline)) int pick_row(const float *xr, const
     float best = -INFINITY;
     int64_t at = -1;
     for (int64_t i = 0, last = -1; bf && i < count; i++) {
-        int64_t g = idx[i] / nr;
+        int64_t g = idx[i] / bf->cols;
         if (g != last) { /* the candidate's group, by the model's own GEMM */
-            int64_t cols = (g + 1) * nr <= n ? nr : n - g * nr;
-            kvs_gemm_bf16x(bf->xb, k, bf->wb + g * bf->group_elems, NULL, bf->group, Y_BF16_IN_F32, 1, cols, k);
+            int64_t cols = (g + 1) * bf->cols <= n ? bf->cols : n - g * bf->cols;
+            const uint16_t *wg = bf->wb + g * bf->group_elems;
+            if (bf->amx)
+                kvs_amx_gemm(bf->xb, 1, wg, NULL, bf->group, Y_BF16_IN_F32, 1, cols, k);
+            else
+                kvs_gemm_bf16x(bf->xb, k, wg, NULL, bf->group, Y_BF16_IN_F32, 1, cols, k);
             last = g;
         }
-        float l = bf->group[idx[i] - g * nr];
+        float l = bf->group[idx[i] - g * bf->cols];
         if (at < 0 || l > best) {
             best = l;
             at = idx[i];
@@ -213,7 +222,10 @@ int64_t kvs_greedy_head(const float *x, const float *approx, const float *xnorms
     {
         int32_t *idx = malloc((size_t)(n + CHAINS) * sizeof *idx); /* a row's tokens left to check */
         float *top = malloc((size_t)((n + BLOCK - 1) / BLOCK + 1) * sizeof *top); /* each block's largest A_j + E_j */
-        Bf16Head bf = {NULL, wb, group_elems, xb ? malloc((size_t)kvs_gemm_group() * sizeof(float)) : NULL};
+        /* on AMX tiles the model's head is packed in pairs of 16-column tiles (csrc/amx_gemm.c) */
+        int amx = xb != NULL && kvs_amx_active();
+        int64_t cols = amx ? 32 : kvs_gemm_group();
+        Bf16Head bf = {NULL, wb, group_elems, cols, amx, xb ? malloc((size_t)cols * sizeof(float)) : NULL};
         no_memory += idx == NULL || top == NULL || (xb && bf.group == NULL);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
@@ -255,6 +267,7 @@ int64_t kvs_greedy_head(const float *x, const float *approx, const float *xnorms
  * products a cycle as the bf16 copy, from half the bytes. */
 #define Q_GROUP 16
 #define Q_COLS 64
+#define A_ROWS 8 /* rows of x in one AMX tile pass (their high and low bytes: 16 tile rows) */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_INT8_HEAD 1
@@ -328,9 +341,89 @@ static inline __attribute__((always_inline)) void int8_tile(const uint32_t *hi, 
     if (R > 2) Q_OUT(2);
 #undef q_emit
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+/* The same sums on AMX tiles (TDPBUSD: unsigned bytes of A by signed bytes of B, four products a
+ * lane, exact in int32, as the VNNI instruction), so the same bits. A column tile's k quads are
+ * already B tiles: 16 quads of 16 columns, one 64-byte row each, 256 bytes apart. An A tile holds
+ * up to A_ROWS rows of x for 16 quads, their high bytes in tile rows 0 .. R - 1 and their low bytes
+ * in R .. 2R - 1, so one product gives both sums of all R rows for 16 columns: four products a k
+ * block of 64 for a column tile. The vector kernel's 24 multiply-adds a k quad for 3 rows set its
+ * pace from a few rows on; the tiles' products stay far below the time the weights take to arrive
+ * (see AMX_MIN_ROWS). Only where k is whole blocks of 64 (else the vector kernel). */
+#define HAVE_AMX_INT8_HEAD 1
+/* Weights prefetched into L2 this far past a k block's tile loads and products (the next k block,
+ * or the next column tile's first), as csrc/amx_gemm.c does for its bf16 tiles. */
+#define Q_AMX_AHEAD 4096
+/* Fewer rows take the vector kernel: on a 2-core Xeon of the 480 MB-L3 class (SmolLM2's head,
+ * caches flushed, medians of ten, alternating) the tiles took 1.10-1.16x its time at one row,
+ * 1.0-1.06x at two, 1.05x at three, 0.97-1.0x at four, 0.90x at six, 0.78-0.81x at 8, 0.66x at 16
+ * and 0.52-0.54x at 32. A prefetch distance of 8 or 16 KB and a guided schedule left the one-row
+ * time within 4%. */
+#define AMX_MIN_ROWS 4
+
+static void amx_config(int R) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = t == 0 || t >= 4 ? (uint8_t)(2 * R) : 16; /* 0: A; 1-3: B; 4-7: C, a 16-column group each */
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* R rows (a: the A tiles' rows, [2R][kq] quads, high then low) against column tile t: their
+ * approximate logits into approx [rows, n] from the first's (sx: their scales). kq a multiple of 16;
+ * out: room for [2R][64] sums. */
+static void amx_int8_tile(const uint32_t *a, int64_t kq, const int8_t *qp, const float *scale,
+                          const int32_t *rowsum, const float *sx, int64_t t, int64_t n, int R, int ahead,
+                          int32_t *out, float *approx) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    const int8_t *w = qp + t * kq * 4 * Q_COLS;
+    for (int64_t kb = 0; kb < kq / 16; kb++) {
+        const int8_t *wk = w + kb * 16 * 4 * Q_COLS;
+        _tile_loadd(0, a + kb * 16, kq * 4);
+        _tile_loadd(1, wk, 4 * Q_COLS);
+        _tile_loadd(2, wk + 64, 4 * Q_COLS);
+        _tile_loadd(3, wk + 128, 4 * Q_COLS);
+        _tile_dpbusd(4, 0, 1);
+        _tile_dpbusd(5, 0, 2);
+        _tile_dpbusd(6, 0, 3);
+        _tile_loadd(1, wk + 192, 4 * Q_COLS);
+        _tile_dpbusd(7, 0, 1);
+        if (ahead)
+            for (int b = 0; b < 16 * 4 * Q_COLS; b += 64) _mm_prefetch((const char *)wk + Q_AMX_AHEAD + b, _MM_HINT_T1);
+    }
+    _tile_stored(4, out, 4 * Q_COLS);
+    _tile_stored(5, out + 16, 4 * Q_COLS);
+    _tile_stored(6, out + 32, 4 * Q_COLS);
+    _tile_stored(7, out + 48, 4 * Q_COLS);
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < 4; j++)
+            q_emit_at(_mm512_loadu_si512(out + i * Q_COLS + j * Q_GROUP),
+                      _mm512_loadu_si512(out + (R + i) * Q_COLS + j * Q_GROUP), scale, rowsum, sx[i],
+                      t * Q_COLS + j * Q_GROUP, n, approx + i * n);
+}
+#else
+#define HAVE_AMX_INT8_HEAD 0
+#endif
 #else
 #define HAVE_INT8_HEAD 0
+#define HAVE_AMX_INT8_HEAD 0
 #endif
+
+/* Whether kvs_int8_head_approx may use AMX tiles where the process has them (1, the default), for
+ * tests and benchmarks: -1 leaves it; returns the setting before. */
+static int int8_amx = 1;
+int kvs_int8_head_set_amx(int on) {
+    int before = int8_amx;
+    if (on >= 0) int8_amx = on != 0;
+    return before;
+}
 
 /* The int8 copy of a float32 head w [n, k], in one pass a row: s_j = max |w_j| / 127 into scale[j],
  * q_j = round(w_j / s_j) (within +-127) into its tile of qp (laid out as above, for n padded to whole
@@ -376,7 +469,16 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
                          const int32_t *rowsum, int64_t n, float *approx, float *xnorms) {
 #if HAVE_INT8_HEAD
     int64_t kq = (k + 3) / 4, tiles = (n + Q_COLS - 1) / Q_COLS;
-    uint32_t *quads = calloc((size_t)(2 * rows * kq), sizeof *quads); /* hi, then lo, [rows][kq] each */
+#if HAVE_AMX_INT8_HEAD
+    int amx = int8_amx && kvs_amx_active() && kq % 16 == 0 && rows >= AMX_MIN_ROWS;
+#else
+    const int amx = 0;
+#endif
+    /* For the tiles, rows in chunks of at most A_ROWS, as even as they go (the first rows % chunks one
+     * longer), chunk c's quads at 2 A_ROWS c rows: its rows' high quads, then their low quads. For the
+     * vector kernel every row's high quads, then every row's low quads. */
+    int64_t chunks = amx ? (rows + A_ROWS - 1) / A_ROWS : 1, per = rows / chunks, longer = rows % chunks;
+    uint32_t *quads = calloc((size_t)((amx ? 2 * A_ROWS * chunks : 2 * rows) * kq), sizeof *quads);
     float *sx = malloc((size_t)rows * sizeof *sx);
     if (quads == NULL || sx == NULL) {
         free(quads);
@@ -385,6 +487,13 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
     }
     uint32_t *hi = quads, *lo = quads + rows * kq;
     for (int64_t r = 0; r < rows; r++) {
+        uint32_t *hr = hi + r * kq, *lr = lo + r * kq; /* the row's high and low quads */
+        if (amx) { /* row r is row i of chunk c, of R rows */
+            int64_t c = r < longer * (per + 1) ? r / (per + 1) : longer + (r - longer * (per + 1)) / per;
+            int64_t r0 = c * per + (c < longer ? c : longer), R = per + (c < longer);
+            hr = quads + (2 * A_ROWS * c + r - r0) * kq;
+            lr = hr + R * kq;
+        }
         const float *xr = x + r * k;
         float big = 0.0f;
         int finite = 1;
@@ -400,7 +509,7 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
         }
         float s = big / 32767.0f, inv = big > 0.0f ? 1.0f / s : 0.0f;
         double xs = 0.0, es = 0.0;
-        uint8_t *h = (uint8_t *)(hi + r * kq), *l = (uint8_t *)(lo + r * kq);
+        uint8_t *h = (uint8_t *)hr, *l = (uint8_t *)lr;
         for (int64_t kk = 0; kk < 4 * kq; kk++) {
             int32_t q = 0;
             if (kk < k) {
@@ -418,6 +527,28 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
         xnorms[2 * r] = (float)(sqrt(xs) * (1.0 + 0x1p-20));
         xnorms[2 * r + 1] = (float)(sqrt(es) * (1.0 + 0x1p-20));
     }
+#if HAVE_AMX_INT8_HEAD
+    if (amx) {
+#pragma omp parallel
+        {
+            int32_t out[2 * A_ROWS * Q_COLS] __attribute__((aligned(64)));
+            int loaded = 0;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; t++)
+                for (int64_t c = 0; c < chunks; c++) {
+                    int R = (int)(per + (c < longer));
+                    if (R != loaded) amx_config(loaded = R);
+                    int64_t r0 = c * per + (c < longer ? c : longer);
+                    amx_int8_tile(quads + 2 * A_ROWS * c * kq, kq, qp, scale, rowsum, sx + r0, t, n, R, c == 0, out,
+                                  approx + r0 * n);
+                }
+            if (loaded) _tile_release();
+        }
+        free(quads);
+        free(sx);
+        return 0;
+    }
+#endif
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t r0 = 0; r0 < rows; r0 += Q_ROWS) {

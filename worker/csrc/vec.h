@@ -39,6 +39,14 @@ static inline uint16_t to_bf16(float f) {
  * sums (plus the bias) rounded to bf16, stored as bf16 or as the float32 values they are. */
 enum { Y_F32 = 0, Y_BF16 = 1, Y_BF16_IN_F32 = 2 };
 
+/* An AMX tile configuration (palette 1), as _tile_loadconfig reads it: each tile's rows and bytes a
+ * row (csrc/amx_gemm.c, csrc/greedy_head.c). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
 /* VW bf16 values widened to float32: a 16-bit shift into the high half. Written as
  * __builtin_convertvector, GCC (tuned for a Zen 5 EPYC) split each 16-lane widening into two 8-lane
  * ones plus an extract and an insert, and the one-row bf16 GEMM read 29 GB/s on one core; the
