@@ -131,10 +131,8 @@ class GreedyHead:
         else:
             bf16 = head.bfloat16()
             self.bf16 = kernels.pack(bf16, out=empty_on_huge_pages(kernels.packed_numel(bf16), torch.bfloat16))
-        # a packed group's elements (a bf16 model's GEMM): its groups of columns, or on AMX tiles its
-        # pairs of 16-column tiles (csrc/amx_gemm.c)
-        groups = -(-packed.n // (32 if self.model_bf16 and kernels.amx else kernels.gemm_group))
-        self._group_elems = packed.data.numel() // groups
+        groups = -(-packed.n // kernels.gemm_group)
+        self._group_elems = packed.data.numel() // groups  # a packed group's elements (a bf16 model's GEMM)
         # each row's norm from above: a float32 sum of K squares is within about K 2^-24 of its value
         # (its root within half that), which the raise covers twice over, with the last rounding
         k = head.shape[1]

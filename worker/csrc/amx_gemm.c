@@ -164,6 +164,52 @@ static uint16_t *x_buffer(size_t elems, int *owned) {
 }
 #endif
 
+/* One row of x against single 16-column tiles of a packed weight, for a bf16 model's greedy head
+ * (csrc/greedy_head.c), which needs the logits of a few columns exactly as kvs_amx_gemm computes
+ * them: the same tile products over the same k blocks, one C tile of a single row, so the same
+ * sums, from one of a pair's two tiles (half its bytes). kvs_amx_row_config loads the
+ * tile shapes (A one row, B 16, C one row) on the calling thread; then each kvs_amx_row_tile call
+ * gives tile `tile` (columns 16 tile .. + 15) of x padded with zeros to kb_count k blocks (xp), its
+ * sums rounded to bf16 and held in float32 (Y_BF16_IN_F32) into out [16]; kvs_amx_row_release
+ * ends it. Only once kvs_amx_enable has returned 1. */
+void kvs_amx_row_config(void) {
+#if HAVE_AMX
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = cfg.rows[4] = 1;
+    cfg.rows[2] = 16;
+    cfg.colsb[0] = cfg.colsb[2] = cfg.colsb[4] = 64;
+    load_tile_config(&cfg);
+#endif
+}
+
+void kvs_amx_row_tile(const uint16_t *xp, const uint16_t *wp, int64_t kb_count, int64_t tile, float *out) {
+#if HAVE_AMX
+    float sums[16] __attribute__((aligned(64)));
+    const uint16_t *w = wp + (tile / 2) * kb_count * 1024 + (tile % 2) * 512;
+    _tile_zero(4);
+    for (int64_t kb = 0; kb < kb_count; kb++) {
+        _tile_loadd(0, xp + kb * TK, 64);
+        _tile_loadd(2, w + kb * 1024, 64);
+        _tile_dpbf16ps(4, 0, 2);
+    }
+    _tile_stored(4, sums, 64);
+    for (int c = 0; c < 16; c++) {
+        uint32_t u = (uint32_t)to_bf16(sums[c]) << 16;
+        memcpy(out + c, &u, sizeof u);
+    }
+#else
+    (void)xp, (void)wp, (void)kb_count, (void)tile, (void)out;
+#endif
+}
+
+void kvs_amx_row_release(void) {
+#if HAVE_AMX
+    _tile_release();
+#endif
+}
+
 /* x [m, k] (bf16 when x_bf16, else float32), y [m, n] (y_bf16: 0 float32, 1 bf16, 2 float32 holding
  * the bf16 values), bias [n] float32 or NULL; wp packed by kvs_amx_pack. Only once kvs_amx_enable has
  * returned 1. The bf16 values in float32 save a pass and a bf16 copy where the caller would widen y:
@@ -205,7 +251,7 @@ void kvs_amx_gemm(const void *x, int x_bf16, const uint16_t *wp, const float *bi
             cfg.rows[0] = cfg.rows[4] = cfg.rows[5] = r0;
             cfg.rows[1] = cfg.rows[6] = cfg.rows[7] = r1;
         }
-        _tile_loadconfig(&cfg);
+        load_tile_config(&cfg);
         float out[32 * 32] __attribute__((aligned(64)));
         /* runs of column pairs, each half of what is left over the threads (OpenMP's guided
          * schedule): with half the pairs each, the worker thread of a 2-core Emerald Rapids VM took

@@ -69,20 +69,22 @@ static void exact_logits(const float *x, const float *rows, const float *wp, int
 
 void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const float *bias, void *y, int form,
                     int64_t m, int64_t n, int64_t k);
-void kvs_amx_gemm(const void *x, int x_bf16, const uint16_t *wp, const float *bias, void *y, int y_bf16, int64_t m,
-                  int64_t n, int64_t k);
 int kvs_amx_active(void);
+void kvs_amx_row_config(void);
+void kvs_amx_row_tile(const uint16_t *xp, const uint16_t *wp, int64_t kb_count, int64_t tile, float *out);
+void kvs_amx_row_release(void);
 
-/* A bf16 model's head (kvs_greedy_head with xb): the row of x in bf16, the packed bf16 head
- * as the model's GEMM reads it (group_elems elements a group of `cols` columns: the packed GEMM's
- * groups, or on AMX tiles (amx) its pairs of 16-column tiles), and room for a group's logits. Its
- * logits are the GEMM's float32 sums rounded to bf16 (Y_BF16_IN_F32), and a column's sum does not
- * depend on which columns or rows are computed beside it, so one group's call gives the bits the
- * whole head's would. */
+/* A bf16 model's head (kvs_greedy_head with xb): the row of x in bf16, the packed bf16 head as the
+ * model's GEMM reads it, and room for a group's logits. Its logits are the GEMM's float32 sums
+ * rounded to bf16 (Y_BF16_IN_F32), and a column's sum does not depend on which columns or rows are
+ * computed beside it, so one group's products give the bits the whole head's would. A group is
+ * `cols` columns: the packed GEMM's (group_elems elements each), or on AMX tiles (amx) one
+ * 16-column tile (kvs_amx_row_tile; xpad: the row padded to kb_count k blocks of 32). */
 typedef struct {
     const uint16_t *xb, *wb;
-    int64_t group_elems, cols;
+    int64_t group_elems, cols, kb_count;
     int amx;
+    uint16_t *xpad;
     float *group;
 } Bf16Head;
 
@@ -153,15 +155,19 @@ static inline __attribute__((always_inline)) int pick_row(const float *xr, const
     /* their float32 logits, CHAINS at a time; the first of the largest */
     float best = -INFINITY;
     int64_t at = -1;
+    if (bf && bf->amx && count > 0) {
+        memcpy(bf->xpad, bf->xb, (size_t)k * sizeof *bf->xpad); /* the padding past k stays zero */
+        kvs_amx_row_config();
+    }
     for (int64_t i = 0, last = -1; bf && i < count; i++) {
         int64_t g = idx[i] / bf->cols;
         if (g != last) { /* the candidate's group, by the model's own GEMM */
-            int64_t cols = (g + 1) * bf->cols <= n ? bf->cols : n - g * bf->cols;
-            const uint16_t *wg = bf->wb + g * bf->group_elems;
-            if (bf->amx)
-                kvs_amx_gemm(bf->xb, 1, wg, NULL, bf->group, Y_BF16_IN_F32, 1, cols, k);
-            else
-                kvs_gemm_bf16x(bf->xb, k, wg, NULL, bf->group, Y_BF16_IN_F32, 1, cols, k);
+            if (bf->amx) {
+                kvs_amx_row_tile(bf->xpad, bf->wb, bf->kb_count, g, bf->group);
+            } else {
+                int64_t cols = (g + 1) * bf->cols <= n ? bf->cols : n - g * bf->cols;
+                kvs_gemm_bf16x(bf->xb, k, bf->wb + g * bf->group_elems, NULL, bf->group, Y_BF16_IN_F32, 1, cols, k);
+            }
             last = g;
         }
         float l = bf->group[idx[i] - g * bf->cols];
@@ -170,6 +176,7 @@ static inline __attribute__((always_inline)) int pick_row(const float *xr, const
             at = idx[i];
         }
     }
+    if (bf && bf->amx && count > 0) kvs_amx_row_release();
     for (int64_t i0 = 0; !bf && i0 < count; i0 += CHAINS) {
         int take = count - i0 < CHAINS ? (int)(count - i0) : CHAINS;
         float l[CHAINS];
@@ -222,14 +229,17 @@ int64_t kvs_greedy_head(const float *x, const float *approx, const float *xnorms
     {
         int32_t *idx = malloc((size_t)(n + CHAINS) * sizeof *idx); /* a row's tokens left to check */
         float *top = malloc((size_t)((n + BLOCK - 1) / BLOCK + 1) * sizeof *top); /* each block's largest A_j + E_j */
-        /* on AMX tiles the model's head is packed in pairs of 16-column tiles (csrc/amx_gemm.c) */
+        /* on AMX tiles the model's head is packed in 16-column tiles (csrc/amx_gemm.c) */
         int amx = xb != NULL && kvs_amx_active();
-        int64_t cols = amx ? 32 : kvs_gemm_group();
-        Bf16Head bf = {NULL, wb, group_elems, cols, amx, xb ? malloc((size_t)cols * sizeof(float)) : NULL};
-        no_memory += idx == NULL || top == NULL || (xb && bf.group == NULL);
+        int64_t cols = amx ? 16 : kvs_gemm_group(), kb_count = (k + 31) / 32;
+        Bf16Head bf = {NULL, wb, group_elems, cols, kb_count, amx,
+                       amx ? calloc((size_t)kb_count * 32, sizeof(uint16_t)) : NULL,
+                       xb ? malloc((size_t)cols * sizeof(float)) : NULL};
+        int lacking = idx == NULL || top == NULL || (xb && bf.group == NULL) || (amx && bf.xpad == NULL);
+        no_memory += lacking;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            if (idx == NULL || top == NULL || (xb && bf.group == NULL)) continue;
+            if (lacking) continue;
             bf.xb = xb ? xb + r * k : NULL;
             const float *xr = x + r * k;
             int64_t *o = out + r, *ch = checked ? checked + r : NULL;
@@ -250,6 +260,7 @@ int64_t kvs_greedy_head(const float *x, const float *approx, const float *xnorms
             }
         }
         free(bf.group);
+        free(bf.xpad);
         free(idx);
         free(top);
     }
@@ -370,7 +381,7 @@ static void amx_config(int R) {
         cfg.rows[t] = t == 0 || t >= 4 ? (uint8_t)(2 * R) : 16; /* 0: A; 1-3: B; 4-7: C, a 16-column group each */
         cfg.colsb[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    load_tile_config(&cfg);
 }
 
 /* R rows (a: the A tiles' rows, [2R][kq] quads, high then low) against column tile t: their

@@ -47,6 +47,17 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
+#if defined(__AMX_TILE__)
+/* LDTILECFG from cfg. gcc 12 did not count the instruction as a read of the struct: in a function
+ * that only filled a local config and loaded it, the stores of its rows and columns were dropped
+ * as dead, and the load faulted (#GP on a malformed config). The empty asm with a memory clobber
+ * makes them land first. */
+static inline __attribute__((always_inline)) void load_tile_config(const TileConfig *cfg) {
+    __asm__ volatile("" : : "r"(cfg) : "memory");
+    _tile_loadconfig(cfg);
+}
+#endif
+
 /* VW bf16 values widened to float32: a 16-bit shift into the high half. Written as
  * __builtin_convertvector, GCC (tuned for a Zen 5 EPYC) split each 16-lane widening into two 8-lane
  * ones plus an extract and an insert, and the one-row bf16 GEMM read 29 GB/s on one core; the
