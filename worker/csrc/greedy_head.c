@@ -367,10 +367,10 @@ static inline __attribute__((always_inline)) void int8_tile(const uint32_t *hi, 
  * or the next column tile's first), as csrc/amx_gemm.c does for its bf16 tiles. */
 #define Q_AMX_AHEAD 4096
 /* Fewer rows take the vector kernel: on a 2-core Xeon of the 480 MB-L3 class (SmolLM2's head,
- * caches flushed, medians of ten, alternating) the tiles took 1.10-1.16x its time at one row,
- * 1.0-1.06x at two, 1.05x at three, 0.97-1.0x at four, 0.90x at six, 0.78-0.81x at 8, 0.66x at 16
- * and 0.52-0.54x at 32. A prefetch distance of 8 or 16 KB and a guided schedule left the one-row
- * time within 4%. */
+ * caches flushed, medians of ten, alternating) the tiles took 1.09-1.14x its time at one row,
+ * 1.0-1.06x at two, 1.05x at three, 0.97-1.0x at four, 0.90x at six, 0.78-0.81x at 8, 0.65-0.67x
+ * at 16 and 0.50-0.54x at 32. A prefetch distance of 8 or 16 KB and a guided schedule left the
+ * one-row time within 4%. */
 #define AMX_MIN_ROWS 4
 
 static void amx_config(int R) {
