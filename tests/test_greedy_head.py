@@ -162,10 +162,11 @@ def test_the_int8_copys_scales_sums_and_residual_norms_bound_what_they_claim(cop
 
 
 @needs_int8
-@pytest.mark.parametrize("k", [576, 63])  # whole blocks of 64 for the tiles; a k the tiles leave to the vectors
+# whole blocks of 64 for the tiles; one block, its last quad padded; a k the tiles leave to the vectors
+@pytest.mark.parametrize("k", [576, 63, 100])
 def test_the_int8_copys_tiles_give_the_vector_kernels_bits(k, copy_env):
-    """On AMX tiles (from 4 rows, and only where k is whole blocks of 64) the int8 copy's sums are
-    the vector kernel's, exact in integers, so its approximate logits are the same floats: rows
+    """On AMX tiles (from 4 rows, and only where k's quads are whole blocks of 16) the int8 copy's
+    sums are the vector kernel's, exact in integers, so its approximate logits are the same floats: rows
     split into tile passes of up to 8, as even as they go (4 to 8 rows one pass, 9 two of 5 and 4,
     17 three), a row with a non-finite value among them."""
     import ctypes
@@ -450,7 +451,7 @@ def test_the_engine_takes_greedy_tokens_only_for_greedy_rows_without_log_probs(l
 @needs_int8
 def test_a_bf16_engine_takes_greedy_tokens_from_the_int8_copy_with_the_same_outputs(monkeypatch):
     """A bf16 model gets the int8 greedy head (its candidates computed by the packed GEMM's groups,
-    or on AMX tiles by its pairs of tiles), for no more rows than that GEMM takes; greedy requests
+    or on AMX tiles by its 16-column tiles), for no more rows than that GEMM takes; greedy requests
     come out the same tokens with it and without it, alone and batched."""
     from kvstrata import LLM
     from kvstrata.worker.greedy_head import ROWS_ENV
