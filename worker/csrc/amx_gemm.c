@@ -174,13 +174,7 @@ static uint16_t *x_buffer(size_t elems, int *owned) {
  * ends it. Only once kvs_amx_enable has returned 1. */
 void kvs_amx_row_config(void) {
 #if HAVE_AMX
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    cfg.rows[0] = cfg.rows[4] = 1;
-    cfg.rows[2] = 16;
-    cfg.colsb[0] = cfg.colsb[2] = cfg.colsb[4] = 64;
-    load_tile_config(&cfg);
+    load_tile_rows((const uint8_t[8]){1, 0, 16, 0, 1, 0, 0, 0});
 #endif
 }
 
@@ -235,23 +229,17 @@ void kvs_amx_gemm(const void *x, int x_bf16, const uint16_t *wp, const float *bi
     }
 #pragma omp parallel if (pairs > 1)
     {
-        TileConfig cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = 16;
-            cfg.colsb[t] = 64;
-        }
+        uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
         if (blocks == 1) {
             /* A and C tiles of only the rows there are (a decode step's few): every A tile had loaded
              * 16 rows of x, 16 lines a k block beside the weights' 32, padding included. Each row's
              * sums are its own, so the bits stay. On a 2-core Xeon with AMX, toggled in one engine,
              * bf16 decode steps ran 0.99-1.01x: the tiles' reads of x were not what waited there */
             uint8_t r0 = (uint8_t)(m < 16 ? m : 16), r1 = (uint8_t)(m > 16 ? m - 16 : 1);
-            cfg.rows[0] = cfg.rows[4] = cfg.rows[5] = r0;
-            cfg.rows[1] = cfg.rows[6] = cfg.rows[7] = r1;
+            rows[0] = rows[4] = rows[5] = r0;
+            rows[1] = rows[6] = rows[7] = r1;
         }
-        load_tile_config(&cfg);
+        load_tile_rows(rows);
         float out[32 * 32] __attribute__((aligned(64)));
         /* runs of column pairs, each half of what is left over the threads (OpenMP's guided
          * schedule): with half the pairs each, the worker thread of a 2-core Emerald Rapids VM took

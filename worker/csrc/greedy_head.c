@@ -374,14 +374,8 @@ static inline __attribute__((always_inline)) void int8_tile(const uint32_t *hi, 
 #define AMX_MIN_ROWS 4
 
 static void amx_config(int R) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = t == 0 || t >= 4 ? (uint8_t)(2 * R) : 16; /* 0: A; 1-3: B; 4-7: C, a 16-column group each */
-        cfg.colsb[t] = 64;
-    }
-    load_tile_config(&cfg);
+    uint8_t a = (uint8_t)(2 * R); /* 0: A; 1-3: B; 4-7: C, a 16-column group each */
+    load_tile_rows((const uint8_t[8]){a, 16, 16, 16, a, a, a, a});
 }
 
 /* R rows (a: the A tiles' rows, [2R][kq] quads, high then low) against column tile t: their
@@ -555,23 +549,22 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
                 }
             if (loaded) _tile_release();
         }
-        free(quads);
-        free(sx);
-        return 0;
-    }
+    } else
 #endif
+    {
 #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t r0 = 0; r0 < rows; r0 += Q_ROWS) {
-            const uint32_t *h = hi + r0 * kq, *l = lo + r0 * kq;
-            float *a = approx + r0 * n;
-            int ahead = r0 == 0;
-            switch (rows - r0 < Q_ROWS ? rows - r0 : Q_ROWS) {
-            case 1: int8_tile(h, l, kq, qp, scale, rowsum, sx + r0, t, n, 1, ahead, a); break;
-            case 2: int8_tile(h, l, kq, qp, scale, rowsum, sx + r0, t, n, 2, ahead, a); break;
-            default: int8_tile(h, l, kq, qp, scale, rowsum, sx + r0, t, n, 3, ahead, a); break;
+        for (int64_t t = 0; t < tiles; t++)
+            for (int64_t r0 = 0; r0 < rows; r0 += Q_ROWS) {
+                const uint32_t *h = hi + r0 * kq, *l = lo + r0 * kq;
+                float *a = approx + r0 * n;
+                int ahead = r0 == 0;
+                switch (rows - r0 < Q_ROWS ? rows - r0 : Q_ROWS) {
+                case 1: int8_tile(h, l, kq, qp, scale, rowsum, sx + r0, t, n, 1, ahead, a); break;
+                case 2: int8_tile(h, l, kq, qp, scale, rowsum, sx + r0, t, n, 2, ahead, a); break;
+                default: int8_tile(h, l, kq, qp, scale, rowsum, sx + r0, t, n, 3, ahead, a); break;
+                }
             }
-        }
+    }
     free(quads);
     free(sx);
     return 0;

@@ -39,22 +39,26 @@ static inline uint16_t to_bf16(float f) {
  * sums (plus the bias) rounded to bf16, stored as bf16 or as the float32 values they are. */
 enum { Y_F32 = 0, Y_BF16 = 1, Y_BF16_IN_F32 = 2 };
 
-/* An AMX tile configuration (palette 1), as _tile_loadconfig reads it: each tile's rows and bytes a
- * row (csrc/amx_gemm.c, csrc/greedy_head.c). */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
 #if defined(__AMX_TILE__)
-/* LDTILECFG from cfg. gcc 12 did not count the instruction as a read of the struct: in a function
- * that only filled a local config and loaded it, the stores of its rows and columns were dropped
- * as dead, and the load faulted (#GP on a malformed config). The empty asm with a memory clobber
- * makes them land first. */
-static inline __attribute__((always_inline)) void load_tile_config(const TileConfig *cfg) {
-    __asm__ volatile("" : : "r"(cfg) : "memory");
-    _tile_loadconfig(cfg);
+/* Loads an AMX tile configuration (palette 1): tile t of rows[t] rows (0: unused) of 64 bytes each,
+ * as csrc/amx_gemm.c and csrc/greedy_head.c use them. The config goes through a struct that
+ * LDTILECFG reads, which gcc 12 did not count as a read: in a function that only filled a local
+ * config and loaded it, the stores of its rows and widths were dropped as dead and the load
+ * faulted (#GP on a malformed config). The empty asm with a memory clobber makes them land first. */
+static inline __attribute__((always_inline)) void load_tile_rows(const uint8_t rows[8]) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = rows[t];
+        cfg.colsb[t] = rows[t] ? 64 : 0;
+    }
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
 }
 #endif
 
