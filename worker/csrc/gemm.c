@@ -599,6 +599,7 @@ static inline __attribute__((always_inline)) void tasks(const void *x, const voi
          * slots. On a 2-core Xeon (AMX, AVX-512; one process, alternating) prompts of 256, 512 and 1,024
          * tokens went 1.058x, 1.025x and 1.047x faster; 9-32 rows (turns, or tiles tuned off them on
          * other hosts) and bf16 weights are as they were. */
+        int first_tile_ahead = mode == 0 && tiles > TURN_TILES;
         /* the next group, by the panel's last block against this one (the others find this group in L2) */
         const char *next = g + 1 < groups && ahead && tiles > 1 && local % nb == nb - 1
                                ? (const char *)wp + (g + 1) * k * NR * elem : NULL;
@@ -625,7 +626,7 @@ static inline __attribute__((always_inline)) void tasks(const void *x, const voi
                     tile(rows, k, wide, 0, ty + (m0 - b * MB) * ldt, ldt, mr, ncols, 0, ahead, share, next_step);
                 else
                     tile(rows, k, wp, g, ty + (m0 - b * MB) * ldt, ldt, mr, ncols, mode,
-                         ahead && (t == 0 || mode != 0 || tiles <= TURN_TILES), share, next_step);
+                         ahead && (t == 0 || !first_tile_ahead), share, next_step);
             }
         }
         if (form != Y_F32)
