@@ -499,6 +499,11 @@ static const float *widened_group(const uint16_t *wp, int64_t g, int64_t k) {
 static int turns_on = VW == 16;
 void kvs_gemm_set_turns(int on) { turns_on = on; } /* tests and benchmarks */
 
+/* Whether a float32 block of `tiles` row tiles runs a group in turns (see TURN_K). */
+static inline __attribute__((always_inline)) int in_turns(int mode, int64_t tiles, int ncols, int ahead) {
+    return mode == 0 && tiles >= 2 && tiles <= TURN_TILES && ncols == NR && ahead && turns_on;
+}
+
 /* The `count` sums at src, plus the bias where given (added in float32, as the Y_F32 form adds it),
  * rounded to bf16 into y from element `at` on, in `form` (Y_BF16 or Y_BF16_IN_F32). */
 static inline __attribute__((always_inline)) void emit(const float *src, const float *bias, void *y, int form,
@@ -606,16 +611,16 @@ static inline __attribute__((always_inline)) void tasks(const void *x, const voi
          * 32 and 32) ran 1.034x, 1.024x and 1.021x faster on a 2-core Xeon with AMX (one process,
          * alternating; 256 rows, unchanged, 0.993x), whole prefills of 272 and 288 tokens 1.041x and
          * 1.013x. */
-        int64_t last_rows = m - (blocks - 1) * MB;
-        int64_t short_last = b0 + nb == blocks && nb > 1 &&
-                             (last_rows <= MR || (mode == 0 && turns_on && last_rows <= TURN_TILES * MR));
+        int64_t last_tiles = (m - (blocks - 1) * MB + MR - 1) / MR;
+        int64_t short_last =
+            b0 + nb == blocks && nb > 1 && (last_tiles == 1 || in_turns(mode, last_tiles, ncols, ahead));
         const char *next = g + 1 < groups && ahead && tiles > 1 && local % nb == nb - 1 - short_last
                                ? (const char *)wp + (g + 1) * k * NR * elem : NULL;
         const float *wide = mode == 1 && tiles >= WIDE_MIN_TILES && wide_copy_on ? widened_group(wp, g, k) : NULL;
         /* where the tiles leave their float32 sums: y itself, or the block's own buffer */
         int64_t ldt = form == Y_F32 ? n : NR;
         float *ty = form == Y_F32 ? (float *)y + b * MB * n + g * NR : sums;
-        if (mode == 0 && tiles >= 2 && tiles <= TURN_TILES && ncols == NR && ahead && turns_on) {
+        if (in_turns(mode, tiles, ncols, ahead)) {
             /* tile t of a turn prefetches its share of the weights TURN_AHEAD turns on (into the next
              * group at the end: a thread's run of groups is contiguous) */
             int64_t step = (NR * 4 + tiles - 1) / tiles;
