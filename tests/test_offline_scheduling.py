@@ -7,13 +7,14 @@ the engine's part (computed tokens move on, a finished prompt or decode appends 
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 
 from kvstrata.worker.kv_cache_manager import KVCacheManager
 from kvstrata.worker.request import FinishReason, Request
 from kvstrata.worker.sampling_params import SamplingParams
-from kvstrata.worker.scheduler import SCHEDULING_POLICIES, Scheduler, SchedulerConfig
+from kvstrata.worker.scheduler import OFFLINE_DEADLINE_STEPS, SCHEDULING_POLICIES, Scheduler, SchedulerConfig
 
 
 def _scheduler(policy: str, budget: int = 512, rows: int = 8) -> Scheduler:
@@ -107,6 +108,42 @@ def test_offline_gives_the_full_budget_to_a_waiting_request_that_outlasts_the_ru
     steps = _run(sched)
     assert steps[0] == [("first", 16)]
     assert steps[1] == [("first", 1), ("longer", 15)]  # not capped at 4 rows: it decodes past "first"
+
+
+def test_offline_spreads_the_rows_evenly_over_the_longest_decode():
+    """Long decodes admitted first pile up early; prompts due late wait for the decodes to thin
+    out, so the steps stay near the job's average rows instead of peaking early and running thin
+    at the end (a step's products cost about the same below a dozen rows, more for each above)."""
+    sched = _scheduler("offline", budget=64, rows=4)
+    mix = [(16, 200), (16, 180), (16, 150)] + [(48, 100 - 5 * i) for i in range(6)] \
+        + [(64, 10 + 2 * i) for i in range(12)]
+    reqs = [_request(sched, f"r{i}", p, m) for i, (p, m) in enumerate(mix)]
+    steps = _run(sched)
+    rows = [sum(n for _, n in step) for step in steps]
+    assert rows[0] == 64  # nothing decodes yet: the full budget
+    assert len(steps) == 200  # every other request ends within the longest's decode
+    assert all(r.is_finished for r in reqs)
+    # 11.7 rows a step on average after the first; the last steps hold the long decodes alone
+    body = rows[1:-10]
+    assert 11 <= min(body) and max(body) <= 15, body
+
+
+def test_offline_meets_a_deadline_at_an_even_rate_only_once_it_is_near():
+    sched = _scheduler("offline", budget=1024, rows=2)
+    long = _request(sched, "long", 16, 101)
+    assert _step(sched) == [("long", 16)]  # 100 decode steps left
+    big = _request(sched, "big", 600, 60)
+
+    def slack() -> int:  # the steps by which big must be computed to end its decodes with long's
+        return (long.params.max_tokens - long.num_output_tokens) - big.params.max_tokens
+
+    assert slack() == 40 > OFFLINE_DEADLINE_STEPS
+    assert sched._offline_budget() == math.ceil((100 + 600 + 59) / 100)  # the even share, not 1 + 600 / 40
+    while slack() > OFFLINE_DEADLINE_STEPS:
+        _step(sched)
+    todo = big.num_tokens - big.num_computed_tokens
+    assert 0 < todo < 600
+    assert sched._offline_budget() == 1 + math.ceil(todo / OFFLINE_DEADLINE_STEPS)  # now due: its rate
 
 
 def test_offline_budget_follows_the_queue_as_requests_join_and_leave_it():

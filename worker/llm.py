@@ -51,8 +51,9 @@ class LLM:
         by default 512 on CPU, where a step of 512 tokens is already compute-bound, and 2048 on GPU.
         scheduling: "fcfs" (first come, first served within a priority) or "offline", for batch jobs
         judged by their total time: the longest max_tokens is admitted first, and prompt tokens ride
-        in decode steps up to offline_step_rows rows a step (default 12 on CPU, where a step of that
-        many rows still costs about what its weight reads cost, and 128 on GPU); see worker/scheduler.py.
+        in decode steps, spread evenly over the decode steps the job must run anyway, with at least
+        offline_step_rows rows a step (default 12 on CPU, where a step of that many rows still costs
+        about what its weight reads cost, and 128 on GPU); see worker/scheduler.py.
         speculative_tokens > 0 turns on speculative decoding by n-gram lookup (greedy or sampled): up
         to that many tokens a step are drafted from the request's own prompt and output and checked
         by the model in the same step, while a step holds at most speculative_step_tokens tokens

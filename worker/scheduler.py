@@ -13,16 +13,18 @@ preempted, so a preempted request is never overtaken by a newer one of the same 
 The "offline" policy is for batch jobs judged by their total time, where every request's
 max_tokens is known up front. Among requests of equal priority, the one with the most output
 tokens to go is admitted first (and preempted last), so that the longest decode starts early.
-While requests decode, a step takes prompt tokens only up to `offline_step_rows` rows in all, so
-that it stays memory-bound and the prompt tokens ride along nearly free, or more where the prompts
-still to compute would otherwise end their own decodes after the longest running request (see
-_offline_budget). A step with no decodes takes the full budget.
+While requests decode, a step takes prompt tokens up to an even share of the rows still to compute
+over the decode steps that must run anyway, so that no step is much dearer than the others; at
+least `offline_step_rows` rows in all (prompt tokens ride nearly free in a memory-bound decode
+step), and more where prompts due soon would otherwise end their own decodes after the longest
+running request (see _offline_budget). A step with no decodes takes the full budget.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -32,6 +34,9 @@ from kvstrata.worker.request import FinishReason, Request, RequestStatus
 
 
 SCHEDULING_POLICIES = ("fcfs", "offline")
+# the "offline" policy meets the deadlines of prompts due within this many steps at an even rate
+# (the rest ride on the even spread of rows; see Scheduler._offline_budget)
+OFFLINE_DEADLINE_STEPS = 32
 
 
 @dataclass(frozen=True)
@@ -201,19 +206,25 @@ class Scheduler:
 
     def _offline_budget(self) -> int:
         """The "offline" policy's budget while requests decode. The running requests will take S
-        more decode steps anyway (the most output tokens any of them still has to go). Each prompt
-        still to compute, in the order it runs, has a deadline: S less its own output tokens, so
-        that its decodes end with the longest. The budget carries the decodes plus the prompt
-        tokens a step that meets every deadline at an even rate, and at least offline_step_rows
-        rows (those ride nearly free), at most the full budget."""
+        more decode steps anyway (the most output tokens any of them still has to go), and the job
+        has R rows still to compute: every prompt token, and a row for each output token after a
+        request's first. A step takes about R / S rows, so that the rows spread evenly over the
+        steps that must run anyway: a step's products cost the same below about a dozen rows and
+        more for every row above, so an even spread costs the least. Two more floors: a prompt
+        whose decodes would otherwise end after the longest running request has a deadline (S less
+        its own output tokens), and those due within OFFLINE_DEADLINE_STEPS are taken at an even
+        rate that meets each of them; and at least offline_step_rows rows (those ride nearly free).
+        At most the full budget."""
         full = self.config.max_num_batched_tokens
         decodes = 0
         steps_left = 0
+        rows_left = 0
         prompts: list[tuple[int, int]] = []  # (tokens to compute, output tokens to go), in running order
         for req in self.running:
             todo = req.num_tokens - req.num_computed_tokens
             outputs_left = req.params.max_tokens - req.num_output_tokens
             steps_left = max(steps_left, outputs_left)
+            rows_left += todo + outputs_left - 1
             if todo == 1:
                 decodes += 1
             else:
@@ -221,17 +232,21 @@ class Scheduler:
         if decodes == 0:
             return full
         if self._waiting_prompts is None:
-            self._waiting_prompts = [(req.num_tokens - req.num_computed_tokens, req.params.max_tokens)
+            self._waiting_prompts = [(req.num_tokens - req.num_computed_tokens,
+                                      req.params.max_tokens - req.num_output_tokens)
                                      for _, _, req in sorted(self._waiting) if req.status is RequestStatus.WAITING]
-        prompts += self._waiting_prompts
+        rows_left += sum(todo + outputs_left - 1 for todo, outputs_left in self._waiting_prompts)
         rate = 0.0
         queued = 0
-        for todo, outputs_left in prompts:
+        for todo, outputs_left in itertools.chain(prompts, self._waiting_prompts):
             queued += todo
-            if outputs_left >= steps_left:
+            slack = steps_left - outputs_left
+            if slack <= 0:
                 return full  # it outlasts every running request: start it now
-            rate = max(rate, queued / (steps_left - outputs_left))
-        return min(full, max(self.config.offline_step_rows, decodes + math.ceil(rate)))
+            if slack <= OFFLINE_DEADLINE_STEPS:
+                rate = max(rate, queued / slack)
+        even = math.ceil(rows_left / steps_left)
+        return min(full, max(self.config.offline_step_rows, decodes + math.ceil(rate), even))
 
     def _admit(self, req: Request, n: int, scheduled: list[tuple[Request, int]]) -> None:
         heapq.heappop(self._waiting)
