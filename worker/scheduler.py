@@ -245,7 +245,7 @@ class Scheduler:
                 return full  # it outlasts every running request: start it now
             if slack <= OFFLINE_DEADLINE_STEPS:
                 rate = max(rate, queued / slack)
-        even = math.ceil(rows_left / steps_left)
+        even = math.ceil(rows_left / max(1, steps_left))
         return min(full, max(self.config.offline_step_rows, decodes + math.ceil(rate), even))
 
     def _admit(self, req: Request, n: int, scheduled: list[tuple[Request, int]]) -> None:
