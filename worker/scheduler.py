@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -224,9 +223,9 @@ class Scheduler:
             todo = req.num_tokens - req.num_computed_tokens
             outputs_left = req.params.max_tokens - req.num_output_tokens
             steps_left = max(steps_left, outputs_left)
-            rows_left += todo + outputs_left - 1
             if todo == 1:
                 decodes += 1
+                rows_left += outputs_left
             else:
                 prompts.append((todo, outputs_left))
         if decodes == 0:
@@ -235,11 +234,12 @@ class Scheduler:
             self._waiting_prompts = [(req.num_tokens - req.num_computed_tokens,
                                       req.params.max_tokens - req.num_output_tokens)
                                      for _, _, req in sorted(self._waiting) if req.status is RequestStatus.WAITING]
-        rows_left += sum(todo + outputs_left - 1 for todo, outputs_left in self._waiting_prompts)
+        prompts += self._waiting_prompts
         rate = 0.0
         queued = 0
-        for todo, outputs_left in itertools.chain(prompts, self._waiting_prompts):
+        for todo, outputs_left in prompts:
             queued += todo
+            rows_left += todo + outputs_left - 1  # its prompt, then a decode row for each output after the first
             slack = steps_left - outputs_left
             if slack <= 0:
                 return full  # it outlasts every running request: start it now
