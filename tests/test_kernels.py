@@ -718,6 +718,36 @@ def test_row_panels_give_the_same_bits():
 
 
 @needs_kernels
+def test_rows_shared_evenly_over_a_blocks_tiles_give_the_same_bits():
+    """A block whose last row tile would hold half a tile or less shares its rows evenly over its
+    tiles (17 rows: 5 + 6 + 6 with AVX-512's 8-row tiles). Every row is computed once, in float32
+    and bf16, turns on or off, with several blocks, and the sums are the same bits as with full
+    tiles first, and match torch."""
+    gen = torch.Generator().manual_seed(17)
+    x = torch.randn(140, 200, generator=gen)
+    raw = {k: torch.randn(100, k, generator=gen) for k in (64, 200)}
+    weights = [(k, KERNELS.pack(w)) for k, w in raw.items()] + [(64, KERNELS.pack(raw[64].bfloat16()))]
+    shapes = [(m, k, w) for m in (2, 5, 9, 10, 11, 12, 13, 17, 18, 25, 26, 33, 73, 140) for k, w in weights]
+    restore = KERNELS._lib.kvs_gemm_set_even_tiles(1)
+    try:
+        for turns in (0, 1):
+            KERNELS._lib.kvs_gemm_set_turns(turns)
+            outs = {}
+            for on in (0, 1):
+                KERNELS._lib.kvs_gemm_set_even_tiles(on)
+                outs[on] = [KERNELS.gemm(x[:m, :k].contiguous(), w, None) for m, k, w in shapes]
+            assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
+            for got, (m, k, w) in zip(outs[1], shapes):
+                xr, wr = x[:m, :k], raw[k]
+                if w.data.dtype == torch.bfloat16:
+                    xr, wr = (xr.bfloat16().float() if KERNELS.amx or KERNELS.bf16_dot else xr), wr.bfloat16().float()
+                torch.testing.assert_close(got, F.linear(xr, wr), rtol=1e-4, atol=1e-4 * k ** 0.5)
+    finally:
+        KERNELS._lib.kvs_gemm_set_even_tiles(restore)
+        KERNELS._lib.kvs_gemm_set_turns(_process_turns())
+
+
+@needs_kernels
 def test_gemm_turns_are_tuned_or_set_once_per_process(monkeypatch):
     """Whether float32 blocks take turns is timed once per process at 16 rows, or set by
     KVSTRATA_GEMM_TURNS; a bad value is an error naming the variable, and builds without AVX-512 and
