@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 
 import pytest
+import torch
 
 from kvstrata.cluster.bench.roofline import ModelCost
 from kvstrata.cluster.bench.step_stages import StageProfile, format_profiles, profile_decode_stages, stage_bytes
@@ -31,6 +32,7 @@ def test_layer_stages_are_timed_only_while_an_array_is_set(llm):
     finally:
         kernels.time_layer_stages(None)
     timed = dict(zip(LAYER_STAGES, seconds[:]))
+    # silu: the one-row decode steps' pass of its own (the prompt's rows take it in gate_up's pass)
     for stage in (*PRODUCTS, "rope_kv", "decode_attention", "prefill_attention", "norms", "silu"):
         assert timed[stage] > 0, stage
     assert timed["convert"] == 0  # float32 rows are read as they are
@@ -91,3 +93,32 @@ def test_format_shows_the_stages_that_ran_and_their_rates():
     assert "qkv 100.0" in rates and "decode_attention 10.0" in rates
     assert rates.endswith(f"all products {3.2e9 / 40.0 / 1e6:.1f}")
     assert p.to_json()["gb_per_s"]["gate_up"] == 100.0
+
+
+def test_float32_layers_take_the_silu_into_the_gate_up_pass_from_two_rows(llm):
+    """A float32 layer of two rows or more computes silu(gate) * up in gate_up's own pass (nothing timed
+    as silu); with that pass split in two (kvs_gemm_set_fused_silu(0)) the SiLU is timed on its own,
+    and the tokens are the same either way."""
+    kernels = _kernels(llm)
+    if llm.engine.runner.model.dtype != torch.float32:
+        pytest.skip("a float32 model's layers")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = [list(range(20, 60)), list(range(70, 95))]
+    outputs, silu = {}, {}
+    restore = kernels._lib.kvs_gemm_set_fused_silu(1)
+    try:
+        for on in (1, 0):
+            kernels._lib.kvs_gemm_set_fused_silu(on)
+            seconds = (ctypes.c_double * len(LAYER_STAGES))()
+            kernels.time_layer_stages(seconds)
+            try:
+                outputs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            finally:
+                kernels.time_layer_stages(None)
+            timed = dict(zip(LAYER_STAGES, seconds[:]))
+            assert timed["gate_up"] > 0
+            silu[on] = timed["silu"]
+    finally:
+        kernels._lib.kvs_gemm_set_fused_silu(restore)
+    assert silu[1] == 0 and silu[0] > 0
+    assert outputs[1] == outputs[0]

@@ -119,6 +119,12 @@ class CpuKernels:
         for fn in (lib.kvs_silu_mul_f32, lib.kvs_silu_mul_bf16):
             fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
             fn.restype = None
+        # an MLP's gate_up product with its SiLU in one pass (csrc/gemm.c): x, the packed weight, a
+        # scratch [M, 2I] for the cases it runs as two, act; M, I, K
+        lib.kvs_gemm_f32_silu.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        lib.kvs_gemm_f32_silu.restype = None
+        lib.kvs_gemm_set_fused_silu.argtypes = [ctypes.c_int]  # tests and benchmarks: the two passes instead
+        lib.kvs_gemm_set_fused_silu.restype = ctypes.c_int
         # a step's layers in one call (csrc/layer.c, driven by fused_decode.py): the LayerWeights array
         # and its length, the DecodeStep, layer 0's K cache, the bytes from one layer's cache to the
         # next and from K to V, bf16 or not, and where to write the layer that failed
@@ -614,6 +620,24 @@ class CpuKernels:
         fn = self._lib.kvs_silu_mul_f32 if dtype == torch.float32 else self._lib.kvs_silu_mul_bf16
         fn(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
         return out
+
+    def gemm_silu(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+        """x [M, K] float32 times a packed float32 gate_up [2I, K] (the gate's I rows, then the up
+        projection's) -> silu(gate) * up [M, I] float32: the same bits as gemm and then silu_mul, the
+        SiLU computed in the product's own pass where it can (csrc/gemm.c)."""
+        m, k = x.shape
+        if k != weight.k:
+            raise ValueError(f"x has {k} columns but the weight expects {weight.k}")
+        if weight.data.dtype != torch.float32 or weight.n % 2:
+            raise ValueError("gemm_silu needs a packed float32 gate_up of 2I rows")
+        inter = weight.n // 2
+        xf = _dense_f32(x)
+        act = torch.empty((m, inter), dtype=torch.float32)
+        if m:
+            scratch = torch.empty((m, weight.n), dtype=torch.float32)  # untouched where the pass is one
+            self._lib.kvs_gemm_f32_silu(xf.data_ptr(), weight.data.data_ptr(), scratch.data_ptr(), act.data_ptr(), m,
+                                        inter, k)
+        return act
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x: [T, n] float32 or bfloat16, weight [n] of its dtype -> normalised and scaled copy (bf16

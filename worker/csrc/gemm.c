@@ -597,10 +597,72 @@ static inline __attribute__((always_inline)) int64_t tile_start(int64_t rows, in
  * rows took 1.18x less time, 268 1.13x, 292 1.08x, 388 1.10x and 520 1.09x; whole numbers of
  * blocks ran even, so long as x fit (with all of 512 or 1,024 rows in one panel, 0.96x and 0.93x:
  * hence the panels). One block is the decode case, unchanged. */
+/* One block's tiles (rows b * MB .. m_end - 1) against group g, their float32 sums left at ty (ldt
+ * apart). `next`: the group whose share each tile prefetches (see tasks), or NULL; `after`: the group
+ * this thread computes after this one, into which tiles in turns prefetch past this group's end. */
+static inline __attribute__((always_inline)) void block_group(const void *x, const void *wp, int64_t k, int mode,
+                                                              int64_t b, int64_t m_end, int64_t g, int ncols,
+                                                              int ahead, const char *next, const char *after,
+                                                              float *ty, int64_t ldt) {
+    int64_t rows = m_end - b * MB, tiles = (rows + MR - 1) / MR, elem = mode ? 2 : 4;
+    /* tile t prefetches bytes [t * k * next_step, (t + 1) * k * next_step) of the next group */
+    int64_t next_step = (NR * elem + tiles - 1) / tiles;
+    /* With more than TURN_TILES float32 tiles a block (prompt chunks), only the first tile prefetches
+     * the group ahead of its loads: the others find it in L2, where their prefetches only took issue
+     * slots. On a 2-core Xeon (AMX, AVX-512; one process, alternating) prompts of 256, 512 and 1,024
+     * tokens went 1.058x, 1.025x and 1.047x faster; 9-32 rows (turns, or tiles tuned off them on
+     * other hosts) and bf16 weights are as they were. */
+    int first_tile_ahead = mode == 0 && tiles > TURN_TILES;
+    const float *wide = mode == 1 && tiles >= WIDE_MIN_TILES && wide_copy_on ? widened_group(wp, g, k) : NULL;
+    if (in_turns(mode, tiles, ncols, ahead)) {
+        /* tile t of a turn prefetches its share of the weights TURN_AHEAD turns on (into `after` at the
+         * end) */
+        int64_t step = (NR * 4 + tiles - 1) / tiles, group_bytes = k * NR * 4;
+        const char *group = (const char *)wp + g * group_bytes;
+        for (int64_t k0 = 0; k0 < k; k0 += TURN_K) {
+            int64_t at = (k0 + TURN_AHEAD * TURN_K) * NR * 4;
+            const char *base = (at < group_bytes ? group + at : after + (at - group_bytes)) - k0 * step;
+            for (int64_t t = 0; t < tiles; t++) {
+                int64_t m0 = b * MB + tile_start(rows, tiles, t), mr = b * MB + tile_start(rows, tiles, t + 1) - m0;
+                tile_turn((const float *)x + m0 * k, k, wp, g, ty + (m0 - b * MB) * ldt, ldt, mr, k0,
+                          k0 + TURN_K < k ? k0 + TURN_K : k, base + t * TURN_K * step, step);
+            }
+        }
+    } else {
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t m0 = b * MB + tile_start(rows, tiles, t), mr = b * MB + tile_start(rows, tiles, t + 1) - m0;
+            const char *xt = (const char *)x + m0 * k * (mode == 2 ? 2 : 4); /* pairs: 2 bytes a k step */
+            const char *share = next ? next + t * k * next_step : NULL;
+            if (wide)
+                tile(xt, k, wide, 0, ty + (m0 - b * MB) * ldt, ldt, mr, ncols, 0, ahead, share, next_step);
+            else
+                tile(xt, k, wp, g, ty + (m0 - b * MB) * ldt, ldt, mr, ncols, mode,
+                     ahead && (t == 0 || !first_tile_ahead), share, next_step);
+        }
+    }
+}
+
+/* act [m, n] = silu(gate) * up from a block's sums of gate group i and up group i (NR floats a row),
+ * written by the thread that made them while they are in L1: kvs_silu_mul_f32's arithmetic, so the
+ * same bits as the product and that pass one after the other. */
+static inline __attribute__((always_inline)) void emit_silu(const float *gate, const float *up, float *act,
+                                                            int64_t r0, int64_t r1, int64_t n, int64_t c0) {
+    for (int64_t r = r0; r < r1; r++)
+        for (int c = 0; c < NR; c += VW) {
+            vf a = siluv(loadv(gate + (r - r0) * NR + c)) * loadv(up + (r - r0) * NR + c);
+            memcpy(act + r * n + c0 + c, &a, sizeof a);
+        }
+}
+
 static inline __attribute__((always_inline)) void tasks(const void *x, const void *wp, const float *bias, void *y,
                                                         int64_t m, int64_t n, int64_t k, int mode, int form) {
-    int64_t groups = (n + NR - 1) / NR, blocks = (m + MB - 1) / MB, all = blocks * groups;
+    /* Y_SILU: wp holds 2n rows, the gate's n and then the up projection's (n a whole number of
+     * groups), y is act [m, n]; a task is a block against gate group g and then up group g */
+    int silu = form == Y_SILU;
+    int64_t groups = (n + NR - 1) / NR, blocks = (m + MB - 1) / MB, all = blocks * groups, elem = mode ? 2 : 4;
+    int64_t group_bytes = k * NR * elem;
     float sums[MB * NR] __attribute__((aligned(64))); /* a block's sums against one group, for forms other than Y_F32 */
+    float up_sums[silu ? MB * NR : 1] __attribute__((aligned(64)));
     int64_t fit = row_panels_on ? x_panel_bytes() / (MB * k * (mode == 2 ? 2 : 4)) : 1;
     int64_t panels = fit > 1 ? (blocks + fit - 1) / fit : blocks; /* panel p: blocks p B / P .. (p + 1) B / P - 1 */
 #pragma omp for schedule(guided) nowait
@@ -612,21 +674,13 @@ static inline __attribute__((always_inline)) void tasks(const void *x, const voi
         int64_t b = b0 + local % nb, g = local / nb;
         int64_t m_end = (b + 1) * MB < m ? (b + 1) * MB : m;
         int ncols = (g + 1) * NR <= n ? NR : (int)(n - g * NR);
-        /* tile t prefetches bytes [t * k * next_step, (t + 1) * k * next_step) of the next group */
-        int64_t rows = m_end - b * MB, tiles = (rows + MR - 1) / MR, elem = mode ? 2 : 4;
-        int64_t next_step = (NR * elem + tiles - 1) / tiles;
         /* from prefetch_min_rows rows on (see kvs_gemm_set_prefetch_rows); the next group only
          * where a block has more than one tile to share it: one tile (up to MR rows) prefetching
          * a whole group besides its own ran 1.07-1.14x slower at 6-8 rows (fp32 and bf16 pairs,
          * Zen 5 EPYC, a step's weights from memory), and without it 10-12 rows ran even, 16
          * rows 1.25x slower */
         int ahead = m >= prefetch_min_rows;
-        /* With more than TURN_TILES float32 tiles a block (prompt chunks), only the first tile prefetches
-         * the group ahead of its loads: the others find it in L2, where their prefetches only took issue
-         * slots. On a 2-core Xeon (AMX, AVX-512; one process, alternating) prompts of 256, 512 and 1,024
-         * tokens went 1.058x, 1.025x and 1.047x faster; 9-32 rows (turns, or tiles tuned off them on
-         * other hosts) and bf16 weights are as they were. */
-        int first_tile_ahead = mode == 0 && tiles > TURN_TILES;
+        int64_t tiles = (m_end - b * MB + MR - 1) / MR;
         /* the next group, by the panel's last block against this one (the others find this group in L2);
          * where that is the call's last block and fetches none of it (one tile, or float32 tiles in
          * turns), by the block before it. Prompt products of 272, 288 and 352 rows (a last block of 16,
@@ -636,36 +690,22 @@ static inline __attribute__((always_inline)) void tasks(const void *x, const voi
         int64_t last_tiles = (m - (blocks - 1) * MB + MR - 1) / MR;
         int64_t short_last =
             b0 + nb == blocks && nb > 1 && (last_tiles == 1 || in_turns(mode, last_tiles, ncols, ahead));
-        const char *next = g + 1 < groups && ahead && tiles > 1 && local % nb == nb - 1 - short_last
-                               ? (const char *)wp + (g + 1) * k * NR * elem : NULL;
-        const float *wide = mode == 1 && tiles >= WIDE_MIN_TILES && wide_copy_on ? widened_group(wp, g, k) : NULL;
+        int fetches = ahead && tiles > 1 && local % nb == nb - 1 - short_last;
+        const char *w = wp;
+        if (silu) {
+            /* gate group g, then up group g (group groups + g), then gate group g + 1 */
+            const char *up = w + (groups + g) * group_bytes, *gate_next = w + (g + 1) * group_bytes;
+            block_group(x, wp, k, mode, b, m_end, g, NR, ahead, fetches ? up : NULL, up, sums, NR);
+            block_group(x, wp, k, mode, b, m_end, groups + g, NR, ahead, fetches && g + 1 < groups ? gate_next : NULL,
+                        gate_next, up_sums, NR);
+            emit_silu(sums, up_sums, y, b * MB, m_end, n, g * NR);
+            continue;
+        }
         /* where the tiles leave their float32 sums: y itself, or the block's own buffer */
         int64_t ldt = form == Y_F32 ? n : NR;
         float *ty = form == Y_F32 ? (float *)y + b * MB * n + g * NR : sums;
-        if (in_turns(mode, tiles, ncols, ahead)) {
-            /* tile t of a turn prefetches its share of the weights TURN_AHEAD turns on (into the next
-             * group at the end: a thread's run of groups is contiguous) */
-            int64_t step = (NR * 4 + tiles - 1) / tiles;
-            const char *group = (const char *)wp + g * k * NR * 4;
-            for (int64_t k0 = 0; k0 < k; k0 += TURN_K)
-                for (int64_t t = 0; t < tiles; t++) {
-                    int64_t m0 = b * MB + tile_start(rows, tiles, t), mr = b * MB + tile_start(rows, tiles, t + 1) - m0;
-                    tile_turn((const float *)x + m0 * k, k, wp, g, ty + (m0 - b * MB) * ldt, ldt, mr, k0,
-                              k0 + TURN_K < k ? k0 + TURN_K : k,
-                              group + (k0 + TURN_AHEAD * TURN_K) * NR * 4 + (t * TURN_K - k0) * step, step);
-                }
-        } else {
-            for (int64_t t = 0; t < tiles; t++) {
-                int64_t m0 = b * MB + tile_start(rows, tiles, t), mr = b * MB + tile_start(rows, tiles, t + 1) - m0;
-                const char *xt = (const char *)x + m0 * k * (mode == 2 ? 2 : 4); /* pairs: 2 bytes a k step */
-                const char *share = next ? next + t * k * next_step : NULL;
-                if (wide)
-                    tile(xt, k, wide, 0, ty + (m0 - b * MB) * ldt, ldt, mr, ncols, 0, ahead, share, next_step);
-                else
-                    tile(xt, k, wp, g, ty + (m0 - b * MB) * ldt, ldt, mr, ncols, mode,
-                         ahead && (t == 0 || !first_tile_ahead), share, next_step);
-            }
-        }
+        block_group(x, wp, k, mode, b, m_end, g, ncols, ahead,
+                    fetches && g + 1 < groups ? w + (g + 1) * group_bytes : NULL, w + (g + 1) * group_bytes, ty, ldt);
         if (form != Y_F32)
             emit_rows(sums, bias, y, form, b * MB, m_end, n, g * NR, ncols);
         else if (bias)
@@ -725,6 +765,36 @@ static inline __attribute__((always_inline)) void gemm(const void *x, const void
 
 void kvs_gemm_f32(const float *x, const float *wp, const float *bias, float *y, int64_t m, int64_t n, int64_t k) {
     gemm(x, wp, bias, y, m, n, k, 0, Y_F32);
+}
+
+void kvs_silu_mul_f32(const float *gate_up, float *act, int64_t rows, int64_t inter);
+
+/* act [m, inter] = silu(x Wg^T) * (x Wu^T), wp packing the gate's inter rows and then the up
+ * projection's (an MLP's fused gate_up). With two rows or more and inter a whole number of groups,
+ * in one pass: each task takes a block of rows against gate group g and then up group g and writes
+ * their act columns from L1, where the product wrote gate_up [m, 2 inter] for a second parallel pass
+ * (kvs_silu_mul_f32) to read back, half of it from the other core's cache. Otherwise (and with
+ * kvs_gemm_set_fused_silu(0)) that product and pass, into gate_up. The sums and the SiLU are the same
+ * arithmetic either way, so the same bits. */
+static int fused_silu_on = 1;
+int kvs_gemm_set_fused_silu(int on) { /* tests and benchmarks; returns the setting before */
+    int was = fused_silu_on;
+    fused_silu_on = on != 0;
+    return was;
+}
+
+/* Whether kvs_gemm_f32_silu takes m rows of an MLP of `inter` in one pass. */
+int kvs_gemm_silu_fuses(int64_t m, int64_t inter) { return fused_silu_on && m >= 2 && inter % NR == 0; }
+
+void kvs_gemm_f32_silu(const float *x, const float *wp, float *gate_up, float *act, int64_t m, int64_t inter,
+                       int64_t k) {
+    if (kvs_gemm_silu_fuses(m, inter)) {
+#pragma omp parallel
+        tasks(x, wp, NULL, act, m, inter, k, 0, Y_SILU);
+        return;
+    }
+    gemm(x, wp, NULL, gate_up, m, 2 * inter, k, 0, Y_F32);
+    kvs_silu_mul_f32(gate_up, act, m, inter);
 }
 
 int kvs_amx_active(void);

@@ -30,6 +30,10 @@
 #include <time.h>
 
 void kvs_gemm_f32(const float *x, const float *wp, const float *bias, float *y, int64_t m, int64_t n, int64_t k);
+void kvs_gemm_f32_silu(const float *x, const float *wp, float *gate_up, float *act, int64_t m, int64_t inter,
+                       int64_t k);
+int kvs_gemm_silu_fuses(int64_t m, int64_t inter);
+void kvs_silu_mul_f32(const float *gate_up, float *act, int64_t rows, int64_t inter);
 void kvs_rope_write_kv_f32(float *qkv, int64_t tokens, int64_t row, int64_t num_heads, int64_t num_kv_heads,
                            int64_t d, const float *cos, const float *ssin, float *k_cache, float *v_cache,
                            const int64_t *slots);
@@ -59,7 +63,6 @@ void kvs_int4_write_values(uint8_t *cache, int64_t num_kv_heads, int64_t head_di
                            const float *steps);
 void kvs_add_rms_norm_f32(const float *x, float *residual, const float *w, float *out, int64_t rows, int64_t n,
                           float eps);
-void kvs_silu_mul_f32(const float *gate_up, float *act, int64_t rows, int64_t inter);
 void kvs_gemm_bf16(const float *x, const uint16_t *wp, const float *bias, float *y, int64_t m, int64_t n, int64_t k);
 void kvs_rope_write_kv_bf16(uint16_t *qkv, int64_t tokens, int64_t row, int64_t num_heads, int64_t num_kv_heads,
                             int64_t d, const uint16_t *cos, const uint16_t *ssin, uint16_t *k_cache,
@@ -181,8 +184,12 @@ int kvs_layer_f32(const LayerWeights *w, const DecodeStep *s, void *k_cache, voi
     }
     TIMED(STAGE_O_PROJ, kvs_gemm_f32(s->attn, w->o_proj, NULL, s->o, t, h, s->num_heads * s->head_dim));
     TIMED(STAGE_NORMS, kvs_add_rms_norm_f32(s->o, s->residual, w->post_norm, s->x, t, h, s->eps));
-    TIMED(STAGE_GATE_UP, kvs_gemm_f32(s->x, w->gate_up, NULL, s->gate_up, t, 2 * s->inter, h));
-    TIMED(STAGE_SILU, kvs_silu_mul_f32(s->gate_up, s->act, t, s->inter));
+    if (kvs_gemm_silu_fuses(t, s->inter)) { /* the SiLU in the product's own pass (csrc/gemm.c), timed with it */
+        TIMED(STAGE_GATE_UP, kvs_gemm_f32_silu(s->x, w->gate_up, s->gate_up, s->act, t, s->inter, h));
+    } else {
+        TIMED(STAGE_GATE_UP, kvs_gemm_f32(s->x, w->gate_up, NULL, s->gate_up, t, 2 * s->inter, h));
+        TIMED(STAGE_SILU, kvs_silu_mul_f32(s->gate_up, s->act, t, s->inter));
+    }
     TIMED(STAGE_DOWN, kvs_gemm_f32(s->act, w->down, NULL, s->o, t, h, s->inter));
     if (w->next_norm != NULL) {
         TIMED(STAGE_NORMS, kvs_add_rms_norm_f32(s->o, s->residual, w->next_norm, s->x, t, h, s->eps));

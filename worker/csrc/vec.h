@@ -37,7 +37,7 @@ static inline uint16_t to_bf16(float f) {
 
 /* What a bf16 GEMM's y holds (kvs_amx_gemm's y_bf16, kvs_gemm_bf16x's form): float32 sums, or those
  * sums (plus the bias) rounded to bf16, stored as bf16 or as the float32 values they are. */
-enum { Y_F32 = 0, Y_BF16 = 1, Y_BF16_IN_F32 = 2 };
+enum { Y_F32 = 0, Y_BF16 = 1, Y_BF16_IN_F32 = 2, Y_SILU = 3 }; /* Y_SILU: gemm.c's gate/up pairs */
 
 #if defined(__AMX_TILE__)
 /* Loads an AMX tile configuration (palette 1): tile t of rows[t] rows (0: unused) of 64 bytes each,
