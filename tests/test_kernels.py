@@ -749,37 +749,42 @@ def test_rows_shared_evenly_over_a_blocks_tiles_give_the_same_bits():
 
 @needs_kernels
 def test_gate_up_product_with_its_silu_in_one_pass_gives_the_same_bits():
-    """gemm_silu: a packed float32 gate_up's product and SiLU, in one pass where there are two rows
-    or more and I is a whole number of groups (each task a block against gate group g, then up group
-    g), else as the product and silu_mul one after the other. Both ways, turns on or off, every act
-    is the same bits as gemm then silu_mul, and matches torch."""
+    """gemm_silu: a packed gate_up's product and SiLU, in one pass where there are two rows or more
+    and I is a whole number of groups (each task a block against gate group g, then up group g; bf16
+    on the dot products, rounded as a bf16 model rounds), else as the product and silu_mul one after
+    the other. Both ways, turns on or off, every act is the same bits as gemm then silu_mul, and
+    matches torch."""
     group = KERNELS.gemm_group
     gen = torch.Generator().manual_seed(23)
     x = torch.randn(300, 96, generator=gen)
     weights = {inter: torch.randn(2 * inter, 96, generator=gen) for inter in (4 * group, 2 * group + 5)}
-    packed = {inter: KERNELS.pack(w) for inter, w in weights.items()}
+    cases = [(dtype, inter, KERNELS.pack(w.to(dtype))) for dtype in (torch.float32, torch.bfloat16)
+             for inter, w in weights.items()]
     restore = KERNELS._lib.kvs_gemm_set_fused_silu(1)
     try:
         for turns in (0, 1):
             KERNELS._lib.kvs_gemm_set_turns(turns)
-            for inter, w in packed.items():
+            for dtype, inter, w in cases:
                 for m in (0, 1, 2, 5, 9, 13, 17, 32, 65, 130, 300):
-                    xm = x[:m].contiguous()
+                    xm = x[:m].to(dtype).contiguous()
                     want = KERNELS.silu_mul(KERNELS.gemm(xm, w, None))
                     for on in (1, 0):
                         KERNELS._lib.kvs_gemm_set_fused_silu(on)
                         got = KERNELS.gemm_silu(xm, w)
-                        assert got.shape == (m, inter) and torch.equal(got, want), (turns, inter, m, on)
-                    gate, up = F.linear(xm, weights[inter]).chunk(2, dim=-1)
-                    torch.testing.assert_close(want, F.silu(gate) * up, rtol=1e-4, atol=1e-4 * 96 ** 0.5)
+                        assert got.dtype == dtype and got.shape == (m, inter), (dtype, m)
+                        assert torch.equal(got, want), (turns, dtype, inter, m, on)
+                    gate, up = F.linear(xm.float(), weights[inter].to(dtype).float()).chunk(2, dim=-1)
+                    tol = 1e-4 if dtype == torch.float32 else 3e-2
+                    torch.testing.assert_close(want.float(), F.silu(gate) * up, rtol=tol, atol=tol * 96 ** 0.5)
     finally:
         KERNELS._lib.kvs_gemm_set_fused_silu(restore)
         KERNELS._lib.kvs_gemm_set_turns(_process_turns())
+    w = KERNELS.pack(weights[4 * group])
     with pytest.raises(ValueError, match="columns"):
-        KERNELS.gemm_silu(x[:2, :64].contiguous(), packed[4 * group])
-    with pytest.raises(ValueError, match="float32 gate_up"):
+        KERNELS.gemm_silu(x[:2, :64].contiguous(), w)
+    with pytest.raises(ValueError, match="gate_up of its dtype, 2I rows"):
         KERNELS.gemm_silu(x[:2], KERNELS.pack(weights[4 * group][:-1]))
-    with pytest.raises(ValueError, match="float32 gate_up"):
+    with pytest.raises(ValueError, match="gate_up of its dtype"):
         KERNELS.gemm_silu(x[:2], KERNELS.pack(weights[4 * group].bfloat16()))
 
 

@@ -123,6 +123,9 @@ class CpuKernels:
         # scratch [M, 2I] for the cases it runs as two, act; M, I, K
         lib.kvs_gemm_f32_silu.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
         lib.kvs_gemm_f32_silu.restype = None
+        lib.kvs_gemm_bf16x_silu.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
+                                            + [ctypes.c_int64] * 3)  # bf16 x (row stride), weight, scratch, act
+        lib.kvs_gemm_bf16x_silu.restype = None
         lib.kvs_gemm_set_fused_silu.argtypes = [ctypes.c_int]  # tests and benchmarks: the two passes instead
         lib.kvs_gemm_set_fused_silu.restype = ctypes.c_int
         # a step's layers in one call (csrc/layer.c, driven by fused_decode.py): the LayerWeights array
@@ -622,21 +625,28 @@ class CpuKernels:
         return out
 
     def gemm_silu(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
-        """x [M, K] float32 times a packed float32 gate_up [2I, K] (the gate's I rows, then the up
-        projection's) -> silu(gate) * up [M, I] float32: the same bits as gemm and then silu_mul, the
-        SiLU computed in the product's own pass where it can (csrc/gemm.c)."""
+        """x [M, K] times a packed gate_up [2I, K] (the gate's I rows, then the up projection's) ->
+        silu(gate) * up [M, I]: float32 x and weight, or bf16 both (bf16 out); the same bits as gemm and
+        then silu_mul, the SiLU computed in the product's own pass where it can (csrc/gemm.c)."""
         m, k = x.shape
         if k != weight.k:
             raise ValueError(f"x has {k} columns but the weight expects {weight.k}")
-        if weight.data.dtype != torch.float32 or weight.n % 2:
-            raise ValueError("gemm_silu needs a packed float32 gate_up of 2I rows")
+        dtype = weight.data.dtype
+        if dtype not in _LAYER_DTYPES or weight.n % 2 or x.dtype != dtype:
+            raise ValueError("gemm_silu needs float32 or bf16 x and a packed gate_up of its dtype, 2I rows")
         inter = weight.n // 2
-        xf = _dense_f32(x)
-        act = torch.empty((m, inter), dtype=torch.float32)
+        if dtype == torch.bfloat16 and (self.amx or not self.bf16_dot):  # the tiles, or bf16 widened: two calls
+            return self.silu_mul(self.gemm(x, weight, None))
+        xd = _dense(x, dtype)
+        act = torch.empty((m, inter), dtype=dtype)
         if m:
-            scratch = torch.empty((m, weight.n), dtype=torch.float32)  # untouched where the pass is one
-            self._lib.kvs_gemm_f32_silu(xf.data_ptr(), weight.data.data_ptr(), scratch.data_ptr(), act.data_ptr(), m,
-                                        inter, k)
+            scratch = torch.empty((m, weight.n), dtype=dtype)  # untouched where the pass is one
+            if dtype == torch.float32:
+                self._lib.kvs_gemm_f32_silu(xd.data_ptr(), weight.data.data_ptr(), scratch.data_ptr(),
+                                            act.data_ptr(), m, inter, k)
+            else:
+                self._lib.kvs_gemm_bf16x_silu(xd.data_ptr(), k, weight.data.data_ptr(), scratch.data_ptr(),
+                                              act.data_ptr(), m, inter, k)
         return act
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

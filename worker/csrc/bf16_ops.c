@@ -87,22 +87,6 @@ void kvs_rope_write_kv_bf16(uint16_t *qkv, int64_t tokens, int64_t row, int64_t 
     }
 }
 
-typedef uint32_t vu __attribute__((vector_size(4 * VW)));
-typedef uint16_t vh __attribute__((vector_size(2 * VW)));
-
-/* VW values rounded to bf16 (to nearest, ties to even; a NaN stays one), left in float32 lanes. */
-static inline __attribute__((always_inline)) vf round_bf16v(vf v) {
-    vu u = (vu)v;
-    vu r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    return selectv(v != v, v, (vf)r);
-}
-
-/* ... and stored as bf16: the high halves of the rounded lanes. */
-static inline __attribute__((always_inline)) void store_bf16v(uint16_t *dst, vf v) {
-    vh h = __builtin_convertvector((vu)round_bf16v(v) >> 16, vh);
-    memcpy(dst, &h, sizeof h);
-}
-
 /* gate_up [T, 2I] (the gate's I columns, then the up projection's) -> act [T, I]. */
 void kvs_silu_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t rows, int64_t inter) {
 #pragma omp parallel for schedule(static) if (rows >= SILU_ROWS)

@@ -654,11 +654,25 @@ static inline __attribute__((always_inline)) void emit_silu(const float *gate, c
         }
 }
 
+/* The same for bf16 [m, n] act, as a bf16 model rounds: gate and up rounded to bf16 (as the product's
+ * bf16 y holds them), then kvs_silu_mul_bf16's arithmetic on them. */
+static inline __attribute__((always_inline)) void emit_silu_bf16(const float *gate, const float *up, uint16_t *act,
+                                                                 int64_t r0, int64_t r1, int64_t n, int64_t c0) {
+    uint16_t g[NR], u[NR];
+    for (int64_t r = r0; r < r1; r++) {
+        emit(gate + (r - r0) * NR, NULL, g, Y_BF16, 0, NR);
+        emit(up + (r - r0) * NR, NULL, u, Y_BF16, 0, NR);
+        for (int c = 0; c < NR; c += VW)
+            store_bf16v(act + r * n + c0 + c, round_bf16v(siluv(widen_bf16(g + c))) * widen_bf16(u + c));
+    }
+}
+
 static inline __attribute__((always_inline)) void tasks(const void *x, const void *wp, const float *bias, void *y,
                                                         int64_t m, int64_t n, int64_t k, int mode, int form) {
-    /* Y_SILU: wp holds 2n rows, the gate's n and then the up projection's (n a whole number of
-     * groups), y is act [m, n]; a task is a block against gate group g and then up group g */
-    int silu = form == Y_SILU;
+    /* Y_SILU, Y_SILU_BF16: wp holds 2n rows, the gate's n and then the up projection's (n a whole
+     * number of groups), y is act [m, n] (float32, bf16); a task is a block against gate group g and
+     * then up group g */
+    int silu = form == Y_SILU || form == Y_SILU_BF16;
     int64_t groups = (n + NR - 1) / NR, blocks = (m + MB - 1) / MB, all = blocks * groups, elem = mode ? 2 : 4;
     int64_t group_bytes = k * NR * elem;
     float sums[MB * NR] __attribute__((aligned(64))); /* a block's sums against one group, for forms other than Y_F32 */
@@ -698,7 +712,10 @@ static inline __attribute__((always_inline)) void tasks(const void *x, const voi
             block_group(x, wp, k, mode, b, m_end, g, NR, ahead, fetches ? up : NULL, up, sums, NR);
             block_group(x, wp, k, mode, b, m_end, groups + g, NR, ahead, fetches && g + 1 < groups ? gate_next : NULL,
                         gate_next, up_sums, NR);
-            emit_silu(sums, up_sums, y, b * MB, m_end, n, g * NR);
+            if (form == Y_SILU)
+                emit_silu(sums, up_sums, y, b * MB, m_end, n, g * NR);
+            else
+                emit_silu_bf16(sums, up_sums, y, b * MB, m_end, n, g * NR);
             continue;
         }
         /* where the tiles leave their float32 sums: y itself, or the block's own buffer */
@@ -869,6 +886,24 @@ void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const fl
         free(yf);
     }
     free(xf);
+}
+
+void kvs_silu_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t rows, int64_t inter);
+
+/* kvs_gemm_f32_silu for bf16 rows and weights, y rounded as a bf16 model rounds: in one pass on the
+ * dot products, else the product into gate_up [m, 2 inter] (bf16) and kvs_silu_mul_bf16. */
+void kvs_gemm_bf16x_silu(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *gate_up, uint16_t *act,
+                         int64_t m, int64_t inter, int64_t k) {
+    if (dot_on && kvs_gemm_silu_fuses(m, inter)) {
+        uint16_t *p = pairs_of(x, 0, ldx, m, k);
+        const uint16_t *xp = p ? p : x;
+#pragma omp parallel
+        tasks(xp, wp, NULL, act, m, inter, even(k), 2, Y_SILU_BF16);
+        free(p);
+        return;
+    }
+    kvs_gemm_bf16x(x, ldx, wp, NULL, gate_up, Y_BF16, m, 2 * inter, k);
+    kvs_silu_mul_bf16(gate_up, act, m, inter);
 }
 
 int64_t kvs_gemm_group(void) { return NR; }

@@ -205,6 +205,8 @@ int kvs_amx_active(void);
 int kvs_bf16_dot_active(void);
 void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const float *bias, void *y, int form,
                     int64_t m, int64_t n, int64_t k);
+void kvs_gemm_bf16x_silu(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *gate_up, uint16_t *act,
+                         int64_t m, int64_t inter, int64_t k);
 void kvs_amx_gemm(const void *x, int x_bf16, const uint16_t *wp, const float *bias, void *y, int y_bf16, int64_t m,
                   int64_t n, int64_t k);
 
@@ -247,8 +249,12 @@ int kvs_layer_bf16(const LayerWeights *w, const DecodeStep *s, uint16_t *k_cache
     TIMED(STAGE_CONVERT, kvs_narrow_bf16(s->wide_out, s->attn, t * q_size));
     TIMED(STAGE_O_PROJ, gemm_bf16_rows(s, s->attn, w->o_proj, NULL, s->o, h, q_size));
     TIMED(STAGE_NORMS, kvs_add_rms_norm_bf16(s->o, s->residual, w->post_norm, s->x, t, h, s->eps));
-    TIMED(STAGE_GATE_UP, gemm_bf16_rows(s, s->x, w->gate_up, NULL, s->gate_up, 2 * s->inter, h));
-    TIMED(STAGE_SILU, kvs_silu_mul_bf16(s->gate_up, s->act, t, s->inter));
+    if (!kvs_amx_active() && kvs_bf16_dot_active() && kvs_gemm_silu_fuses(t, s->inter)) { /* as in float32 */
+        TIMED(STAGE_GATE_UP, kvs_gemm_bf16x_silu(s->x, h, w->gate_up, s->gate_up, s->act, t, s->inter, h));
+    } else {
+        TIMED(STAGE_GATE_UP, gemm_bf16_rows(s, s->x, w->gate_up, NULL, s->gate_up, 2 * s->inter, h));
+        TIMED(STAGE_SILU, kvs_silu_mul_bf16(s->gate_up, s->act, t, s->inter));
+    }
     TIMED(STAGE_DOWN, gemm_bf16_rows(s, s->act, w->down, NULL, s->o, h, s->inter));
     /* no next norm: the add alone */
     TIMED(STAGE_NORMS, kvs_add_rms_norm_bf16(s->o, s->residual, w->next_norm, s->x, t, h, s->eps));

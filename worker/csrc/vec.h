@@ -37,7 +37,7 @@ static inline uint16_t to_bf16(float f) {
 
 /* What a bf16 GEMM's y holds (kvs_amx_gemm's y_bf16, kvs_gemm_bf16x's form): float32 sums, or those
  * sums (plus the bias) rounded to bf16, stored as bf16 or as the float32 values they are. */
-enum { Y_F32 = 0, Y_BF16 = 1, Y_BF16_IN_F32 = 2, Y_SILU = 3 }; /* Y_SILU: gemm.c's gate/up pairs */
+enum { Y_F32 = 0, Y_BF16 = 1, Y_BF16_IN_F32 = 2, Y_SILU = 3, Y_SILU_BF16 = 4 }; /* Y_SILU*: gemm.c's gate/up pairs */
 
 #if defined(__AMX_TILE__)
 /* Loads an AMX tile configuration (palette 1): tile t of rows[t] rows (0: unused) of 64 bytes each,
@@ -139,6 +139,22 @@ static inline __attribute__((always_inline)) vf exp_negv(vf x) {
     vf y = p * (r * r) + r + 1.0f;
     vi e = (__builtin_convertvector(n, vi) + 127) << 23;
     return selectv(under, (vf){0}, y * (vf)e);
+}
+
+/* VW values rounded to bf16 (to nearest, ties to even; a NaN stays one), left in float32 lanes. */
+static inline __attribute__((always_inline)) vf round_bf16v(vf v) {
+    typedef uint32_t vu __attribute__((vector_size(4 * VW)));
+    vu u = (vu)v;
+    vu r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return selectv(v != v, v, (vf)r);
+}
+
+/* ... and stored as bf16: the high halves of the rounded lanes. */
+static inline __attribute__((always_inline)) void store_bf16v(uint16_t *dst, vf v) {
+    typedef uint32_t vu __attribute__((vector_size(4 * VW)));
+    typedef uint16_t vh __attribute__((vector_size(2 * VW)));
+    vh h = __builtin_convertvector((vu)round_bf16v(v) >> 16, vh);
+    memcpy(dst, &h, sizeof h);
 }
 
 /* silu(g) = g / (1 + e^-g), through e^-|g| for either sign: within 2 float32 ulps of the exact
