@@ -702,19 +702,27 @@ def test_row_panels_give_the_same_bits():
     weights += [(k, KERNELS.pack(w.bfloat16())) for k, w in raw.items() if k != 1536]
     shapes = [(m, k, w) for m in (1, 8, 65, 130, 260, 300) for k, w in weights]
     try:
-        outs = {}
-        for on in (0, 1):
-            KERNELS._lib.kvs_gemm_set_row_panels(on)
-            outs[on] = [KERNELS.gemm(x[:m, :k].contiguous(), w, None) for m, k, w in shapes]
-        assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
-        for got, (m, k, w) in zip(outs[1], shapes):
-            xr, wr = x[:m, :k], raw[k]
-            if w.data.dtype == torch.bfloat16:  # AMX tiles and dot products take x rounded to bf16
-                xr, wr = (xr.bfloat16().float() if KERNELS.amx or KERNELS.bf16_dot else xr), wr.bfloat16().float()
-            torch.testing.assert_close(got, F.linear(xr, wr), rtol=1e-4, atol=1e-4 * k ** 0.5)
+        outs = _products_both_ways(KERNELS._lib.kvs_gemm_set_row_panels, shapes, x, raw)
+        for got, (m, k, w) in zip(outs, shapes):
             assert torch.equal(got[-1:], KERNELS.gemm(x[m - 1 : m, :k].contiguous(), w, None))  # alone, the same
     finally:
         KERNELS._lib.kvs_gemm_set_row_panels(1)
+
+
+def _products_both_ways(switch, shapes, x: torch.Tensor, raw: dict) -> list[torch.Tensor]:
+    """Each (m, k, packed w) product with `switch` (a kvs_gemm_set_* setter) at 0 and then 1: the same
+    bits both ways, and close to torch with the weight raw[k]; returns the products."""
+    outs = {}
+    for on in (0, 1):
+        switch(on)
+        outs[on] = [KERNELS.gemm(x[:m, :k].contiguous(), w, None) for m, k, w in shapes]
+    assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
+    for got, (m, k, w) in zip(outs[1], shapes):
+        xr, wr = x[:m, :k], raw[k]
+        if w.data.dtype == torch.bfloat16:  # AMX tiles and dot products take x rounded to bf16
+            xr, wr = (xr.bfloat16().float() if KERNELS.amx or KERNELS.bf16_dot else xr), wr.bfloat16().float()
+        torch.testing.assert_close(got, F.linear(xr, wr), rtol=1e-4, atol=1e-4 * k ** 0.5)
+    return outs[1]
 
 
 @needs_kernels
@@ -732,16 +740,7 @@ def test_rows_shared_evenly_over_a_blocks_tiles_give_the_same_bits():
     try:
         for turns in (0, 1):
             KERNELS._lib.kvs_gemm_set_turns(turns)
-            outs = {}
-            for on in (0, 1):
-                KERNELS._lib.kvs_gemm_set_even_tiles(on)
-                outs[on] = [KERNELS.gemm(x[:m, :k].contiguous(), w, None) for m, k, w in shapes]
-            assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
-            for got, (m, k, w) in zip(outs[1], shapes):
-                xr, wr = x[:m, :k], raw[k]
-                if w.data.dtype == torch.bfloat16:
-                    xr, wr = (xr.bfloat16().float() if KERNELS.amx or KERNELS.bf16_dot else xr), wr.bfloat16().float()
-                torch.testing.assert_close(got, F.linear(xr, wr), rtol=1e-4, atol=1e-4 * k ** 0.5)
+            _products_both_ways(KERNELS._lib.kvs_gemm_set_even_tiles, shapes, x, raw)
     finally:
         KERNELS._lib.kvs_gemm_set_even_tiles(restore)
         KERNELS._lib.kvs_gemm_set_turns(_process_turns())

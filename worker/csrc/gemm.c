@@ -550,10 +550,10 @@ void kvs_gemm_set_row_panels(int on) { row_panels_on = on; } /* tests and benchm
  * to hide its multiply-adds' latency and reloads the group's weights from L2 for little work. On a
  * 2-core Zen 4 EPYC (a step's 30 layers of products, weights from memory, alternating in one
  * process, medians of 9-21 rounds): float32 9-11 rows 1.03-1.05x faster, 17 rows 1.07-1.11x, 25
- * 1.06x, 12 1.03x, 18 1.04x; bf16 pairs 9 rows 1.04x, 17 1.10x, 25 1.07x, 12 1.02x. Where the last
- * tile held five or more rows, sharing evenly ran even or slower (13 and 14 rows 0.98-1.00x, bf16
- * 20 rows 1.00x), so those keep their tiles. A row's sums do not depend on its tile: the bits are
- * the same either way. */
+ * 1.06x, 12 1.02-1.03x, 18 1.04x, 20 (7 + 7 + 6) 0.99-1.05x; bf16 pairs 9 rows 1.04x, 17 1.10x, 25
+ * 1.07x, 12 1.02x, 20 1.00x. Where the last tile held five or more rows, sharing evenly ran even or
+ * slower (13 and 14 rows 0.98-1.00x), so those keep their tiles. A row's sums do not depend on its
+ * tile: the bits are the same either way. */
 static int even_tiles = 1;
 int kvs_gemm_set_even_tiles(int on) { /* tests and benchmarks; returns the setting before */
     int was = even_tiles;
