@@ -566,37 +566,6 @@ static inline __attribute__((always_inline)) int64_t tile_start(int64_t rows, in
     return t * MR < rows ? t * MR : rows;
 }
 
-/* The (block, group) tasks, taken by the threads in runs of consecutive tasks as each
- * thread comes free, each run half of what is left over the threads (OpenMP's guided schedule):
- * long runs first, so that a thread streams a long stretch of the weights and its tiles' prefetch
- * of the next group is mostly for itself, then shorter ones, so that neither thread waits long on
- * the other at the end.
- *
- * A fixed split (each thread a contiguous share of the rows, which also balanced a prefill chunk
- * against a last block of a few decode rows) left the threads waiting on each other wherever the
- * cores ran at different speeds: on a shared 2-core Zen 3 EPYC, taking runs as they come made a
- * step's products at 32 rows 1.11-1.27x faster and at 64 rows 1.16x (four lockstep runs, both
- * orders), at 1-8 rows even, and a whole batch-32 decode step 1.02-1.15x. Those runs were of equal
- * size, 8 a thread; on a Zen 4 EPYC the guided runs made a step's products 1.02-1.21x faster from
- * 1 to 64 rows in fp32 and 0.97-1.18x in bf16 pairs (lockstep, one copy of the weights for both
- * builds; 1.03-1.39x in an AVX2 build there; with the threads pinned and one core shared with a
- * busy loop, 0.95-1.27x), and whole decode steps at batch 1, 8 and 32 1.0-1.05x in fp32 and
- * 0.99-1.09x in bf16 (two engines in lockstep, both load orders). Which thread computes a tile
- * does not change its sums, so the bits do not change either.
- *
- * The order of the tasks. Rows come in panels of as many blocks as half the L2 holds of x (split
- * evenly), and within a panel the tasks run group by group, every block of the panel against a
- * group while its weights sit in L2:
- *
- *     panel 0: (g0, b0) (g0, b1) (g0, b2) (g1, b0) (g1, b1) ...   panel 1: (g0, b3) (g0, b4) ...
- *
- * so the weights stream from memory once a panel, where block by block they had streamed once a
- * block: a prompt chunk with a few decode rows beside it (256 + 4 rows: four blocks and one of four
- * rows) had read all the weights five times, the last for four rows. On a 2-core Xeon (2 MB of L2
- * a core; SmolLM2's float32 products, a step's weights from memory, toggled in one process) 260
- * rows took 1.18x less time, 268 1.13x, 292 1.08x, 388 1.10x and 520 1.09x; whole numbers of
- * blocks ran even, so long as x fit (with all of 512 or 1,024 rows in one panel, 0.96x and 0.93x:
- * hence the panels). One block is the decode case, unchanged. */
 /* One block's tiles (rows b * MB .. m_end - 1) against group g, their float32 sums left at ty (ldt
  * apart). `next`: the group whose share each tile prefetches (see tasks), or NULL; `after`: the group
  * this thread computes after this one, into which tiles in turns prefetch past this group's end. */
@@ -667,6 +636,37 @@ static inline __attribute__((always_inline)) void emit_silu_bf16(const float *ga
     }
 }
 
+/* The (block, group) tasks, taken by the threads in runs of consecutive tasks as each
+ * thread comes free, each run half of what is left over the threads (OpenMP's guided schedule):
+ * long runs first, so that a thread streams a long stretch of the weights and its tiles' prefetch
+ * of the next group is mostly for itself, then shorter ones, so that neither thread waits long on
+ * the other at the end.
+ *
+ * A fixed split (each thread a contiguous share of the rows, which also balanced a prefill chunk
+ * against a last block of a few decode rows) left the threads waiting on each other wherever the
+ * cores ran at different speeds: on a shared 2-core Zen 3 EPYC, taking runs as they come made a
+ * step's products at 32 rows 1.11-1.27x faster and at 64 rows 1.16x (four lockstep runs, both
+ * orders), at 1-8 rows even, and a whole batch-32 decode step 1.02-1.15x. Those runs were of equal
+ * size, 8 a thread; on a Zen 4 EPYC the guided runs made a step's products 1.02-1.21x faster from
+ * 1 to 64 rows in fp32 and 0.97-1.18x in bf16 pairs (lockstep, one copy of the weights for both
+ * builds; 1.03-1.39x in an AVX2 build there; with the threads pinned and one core shared with a
+ * busy loop, 0.95-1.27x), and whole decode steps at batch 1, 8 and 32 1.0-1.05x in fp32 and
+ * 0.99-1.09x in bf16 (two engines in lockstep, both load orders). Which thread computes a tile
+ * does not change its sums, so the bits do not change either.
+ *
+ * The order of the tasks. Rows come in panels of as many blocks as half the L2 holds of x (split
+ * evenly), and within a panel the tasks run group by group, every block of the panel against a
+ * group while its weights sit in L2:
+ *
+ *     panel 0: (g0, b0) (g0, b1) (g0, b2) (g1, b0) (g1, b1) ...   panel 1: (g0, b3) (g0, b4) ...
+ *
+ * so the weights stream from memory once a panel, where block by block they had streamed once a
+ * block: a prompt chunk with a few decode rows beside it (256 + 4 rows: four blocks and one of four
+ * rows) had read all the weights five times, the last for four rows. On a 2-core Xeon (2 MB of L2
+ * a core; SmolLM2's float32 products, a step's weights from memory, toggled in one process) 260
+ * rows took 1.18x less time, 268 1.13x, 292 1.08x, 388 1.10x and 520 1.09x; whole numbers of
+ * blocks ran even, so long as x fit (with all of 512 or 1,024 rows in one panel, 0.96x and 0.93x:
+ * hence the panels). One block is the decode case, unchanged. */
 static inline __attribute__((always_inline)) void tasks(const void *x, const void *wp, const float *bias, void *y,
                                                         int64_t m, int64_t n, int64_t k, int mode, int form) {
     /* Y_SILU, Y_SILU_BF16: wp holds 2n rows, the gate's n and then the up projection's (n a whole
