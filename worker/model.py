@@ -170,7 +170,7 @@ class LlamaModel:
             if self.all_reduce is not None:
                 self.all_reduce(attn)  # row-parallel: sum the ranks' partial outputs
             x = self._add_rms_norm(attn, residual, layer.post_norm)
-            mlp = linear(self._gate_up_act(x, layer.gate_up, linear), layer.down, None)
+            mlp = linear(self._gate_up_act(x, layer.gate_up), layer.down, None)
             if self.all_reduce is not None:
                 self.all_reduce(mlp)
             if i + 1 < len(self.layers):
@@ -203,11 +203,11 @@ class LlamaModel:
             raise ValueError(f"slot_mapping holds slots outside the pool's {capacity}")
         return True
 
-    def _gate_up_act(self, x: torch.Tensor, gate_up: Any, linear: Callable) -> torch.Tensor:
+    def _gate_up_act(self, x: torch.Tensor, gate_up: Any) -> torch.Tensor:
         """silu(x Wg^T) * (x Wu^T): a packed float32 weight's product and SiLU in one C call."""
         if self.cpu_kernels is not None and x.dtype == torch.float32 and isinstance(gate_up, PackedWeight):
             return self.cpu_kernels.gemm_silu(x, gate_up)
-        return self._silu_mul(linear(x, gate_up, None))
+        return self._silu_mul(self.linear(x, gate_up, None))
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] -> silu(gate) * up [T, I]."""
