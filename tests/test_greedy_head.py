@@ -15,7 +15,7 @@ KERNELS = load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None or not greedy_head.available(KERNELS),
                                    reason="no C compiler, or no fused multiply-adds")
 needs_int8 = pytest.mark.skipif(KERNELS is None or not greedy_head.available(KERNELS)
-                                or not greedy_head.int8_available(KERNELS), reason="no AVX-512 VNNI in this build")
+                                or not greedy_head.int8_available(KERNELS), reason="no int8 products in this build")
 COPIES = ["bf16", pytest.param("int8", marks=needs_int8)]
 
 
@@ -137,8 +137,8 @@ def test_the_int8_copys_scales_sums_and_residual_norms_bound_what_they_claim(cop
     v, k = 130, 70  # a partial last tile and a partial last quad
     head = torch.randn(v, k, generator=gen) * torch.rand(v, 1, generator=gen)
     greedy = GreedyHead(KERNELS, head, KERNELS.pack(head))
-    quads, cols = (k + 3) // 4, -(-v // 64) * 64
-    q = greedy.int8.view(cols // 64, quads, 64, 4).permute(0, 2, 1, 3).reshape(cols, 4 * quads)
+    quads, cols, tile = (k + 3) // 4, -(-v // 64) * 64, greedy_head.int8_tile_cols(KERNELS)
+    q = greedy.int8.view(cols // tile, quads, tile, 4).permute(0, 2, 1, 3).reshape(cols, 4 * quads)
     assert (q[v:] == 0).all() and (q[:, k:] == 0).all()  # the padding
     q = q[:v, :k].double()
     scale = greedy.int8_scale[:v].double()
@@ -209,6 +209,28 @@ def test_the_int8_copy_of_a_zero_row_and_of_zero_inputs(copy_env):
     greedy = GreedyHead(KERNELS, head, packed)
     assert torch.equal(greedy.tokens(x), _reference(x, packed))
     assert int(greedy.tokens(x[3:4])[0]) == 0
+
+
+@needs_int8
+def test_the_int8_copys_sums_stay_exact_for_long_rows(copy_env):
+    """k past 1,032 with every code of x and of the head at its largest: taken to 16 bits, x's
+    products would pass int32 in one lane of the AVX2 kernel's sums (2 kq of them a lane), so x takes
+    fewer bits there; the copy's logits stay close and the tokens are the float32 logits' argmax."""
+    from kvstrata.worker.greedy_head import GreedyHead
+
+    copy_env("int8")
+    k = 2100
+    head = (0.01 * (1 + torch.arange(300) / 1000)).unsqueeze(1).repeat(1, k)  # each row one value: codes 127
+    x = torch.ones(3, k)
+    x[1] = -1.0
+    x[2] = torch.randn(k, generator=torch.Generator().manual_seed(5))
+    packed = KERNELS.pack(head)
+    greedy = GreedyHead(KERNELS, head, packed)
+    full = KERNELS.gemm(x, packed, None, to_float=True)
+    assert (greedy.approx_logits(x) - full).abs().max() < 1e-3 * full.abs().max()
+    want = _reference(x, packed)
+    assert want[:2].tolist() == [299, 0]
+    assert torch.equal(greedy.tokens(x), want)
 
 
 def _bf16_model_head(vocab: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -463,7 +485,9 @@ def test_a_bf16_engine_takes_greedy_tokens_from_the_int8_copy_with_the_same_outp
     model = bf16.engine.runner.model
     greedy = model.greedy_head
     assert greedy is not None and greedy.model_bf16 and greedy.copy == "int8"
-    assert greedy.max_rows == model.linear.max_packed_rows  # beyond it oneDNN computes the logits
+    # beyond the packed GEMM's rows oneDNN computes the logits (AVX2 builds: the packed GEMM takes any)
+    limit = getattr(model.linear, "max_packed_rows", None)
+    assert greedy.max_rows == (1000000 if limit is None else limit)
     prompts = [[17 + (7 * i + j) % 4000 for j in range(20 + 9 * i)] for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     runs = []

@@ -7,7 +7,8 @@ give, bit for bit (csrc/greedy_head.c has the bounds). The copy is either
 
 - int8 (a quarter of the float32 head's bytes: 28.3 MB for SmolLM2), each row scaled by its largest
   value, the rows of x taken to 16 bits, multiplied with byte dot products (AVX-512 VNNI; from 4
-  rows on AMX tiles where the CPU has them), or
+  rows on AMX tiles where the CPU has them) or, on AVX2 cores, widened to 16 bits as it is read and
+  multiplied with 16-bit multiply-adds (16 products an instruction, two float32 FMAs' worth), or
 - bf16 (half the bytes: 56.6 MB), multiplied with the bf16 products (twice the multiply-adds a
   cycle where the CPU has bf16 dot products or AMX tiles).
 
@@ -21,8 +22,10 @@ float32 decode steps took 1.065x less time than with the bf16 copy (on the same 
 KVSTRATA_GREEDY_HEAD=0 turns the greedy head off.
 
 Where the CPU multiplies bf16 no faster than float32 (bf16 widened to float32, as on AVX2 cores),
-the copy only saves bytes: it wins while the head streams from memory (few rows) and loses once
-the products set the pace, so `tune` finds at load up to how many rows it wins (see there).
+a bf16 copy (KVSTRATA_GREEDY_HEAD_COPY=bf16) only saves bytes: it wins while the head streams from
+memory (few rows) and loses once the products set the pace, so `tune` finds at load up to how many
+rows it wins (see there). The int8 copy's 16-bit products there run about 1.2x the float32 FMAs'
+rate, so it takes any number of rows.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ ENV = "KVSTRATA_GREEDY_HEAD"
 ROWS_ENV = "KVSTRATA_GREEDY_HEAD_ROWS"
 COPY_ENV = "KVSTRATA_GREEDY_HEAD_COPY"
 COPIES = ("int8", "bf16")
-_INT8_COLS = 64  # the int8 copy's tile of columns (csrc/greedy_head.c's Q_COLS)
+_INT8_COLS = 64  # columns padded to a whole number of the int8 copy's tiles (csrc/greedy_head.c's Q_COLS: 64 or 16)
 _TUNE_ROWS = (4, 8, 12, 16, 24, 32, 48, 64)  # the row counts tune times, in order, until the copy loses
 _MAX_ROWS = 64  # rows per bf16 product: the approximate logits' buffer is kept, [_MAX_ROWS, V] at most
 
@@ -61,9 +64,16 @@ def available(kernels: CpuKernels) -> bool:
 
 
 def int8_available(kernels: CpuKernels) -> bool:
-    """Whether this build has the int8 copy's byte dot products (AVX-512 VNNI)."""
+    """Whether this build has the int8 copy's products (AVX-512 VNNI's byte dot products, or AVX2's
+    16-bit multiply-adds)."""
     kernels._lib.kvs_int8_head_available.restype = ctypes.c_int
     return bool(kernels._lib.kvs_int8_head_available())
+
+
+def int8_tile_cols(kernels: CpuKernels) -> int:
+    """The columns of one tile of the int8 copy as this build packs it: 64 (AVX-512 VNNI) or 16."""
+    kernels._lib.kvs_int8_head_tile_cols.restype = ctypes.c_int
+    return int(kernels._lib.kvs_int8_head_tile_cols())
 
 
 def chosen_copy(kernels: CpuKernels) -> str:
@@ -75,7 +85,7 @@ def chosen_copy(kernels: CpuKernels) -> str:
     if value not in COPIES:
         raise ValueError(f"{COPY_ENV} must be int8 or bf16, not {value!r}")
     if value == "int8" and not int8_available(kernels):
-        raise ValueError(f"{COPY_ENV}=int8 needs AVX-512 VNNI in this build")
+        raise ValueError(f"{COPY_ENV}=int8 needs AVX-512 VNNI or AVX2 in this build")
     return value
 
 

@@ -270,14 +270,18 @@ int64_t kvs_greedy_head(const float *x, const float *approx, const float *xnorms
 /* The int8 copy of the head: each row j scaled by s_j = max |w_j| / 127 and rounded, q_j = round(w_j /
  * s_j) (kvs_int8_head_pack makes it, with s_j, sum_k q_jk and |e_j| = |w_j - s_j q_j|), packed in tiles of
  * Q_COLS columns: qp[t][kq][c][4] = q[Q_COLS t + c, 4 kq .. 4 kq + 3], a tile's k quad one 256-byte
- * line run, its four vectors Q_GROUP columns each. Each row of x is taken to 16 bits, qx = round(x /
+ * line run, its four vectors Q_GROUP columns each (AVX2 builds: tiles of 16 columns, below). Each row of x is taken to 16 bits, qx = round(x /
  * s_x), s_x = max |x| / 32767, split as qx = 256 hi + lo (lo in 0 .. 255, hi + 128 too), and each
  * tile's sums sum_k (hi + 128) q and sum_k lo q come from the unsigned-by-signed byte dot products
  * (four products a lane, exact in int32), so that sum_k qx q_j = 256 (high sum - 128 sum_k q_j) +
  * low sum, exactly. Two dot products a quad of k against one bf16 dot product a pair: the same
  * products a cycle as the bf16 copy, from half the bytes. */
 #define Q_GROUP 16
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define Q_COLS 64
+#else
+#define Q_COLS 16
+#endif
 #define A_ROWS 8 /* rows of x in one AMX tile pass (their high and low bytes: 16 tile rows) */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -416,6 +420,90 @@ static void amx_int8_tile(const uint32_t *a, int64_t kq, const int8_t *qp, const
 #else
 #define HAVE_AMX_INT8_HEAD 0
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 cores have no byte dot products whose sums stay exact (vpmaddubsw saturates its pairs at 16
+ * bits), so there the copy's bytes are widened to 16 bits as they are loaded (vpmovsxbw) and
+ * multiplied by x's 16-bit values themselves (vpmaddwd: two 16-bit products summed into each 32-bit
+ * lane, exactly): 16 products and an add where float32 takes two fused multiply-adds, from a quarter
+ * of the bytes. A 16-byte load of a tile's k quad holds four columns' four k, so each lane of a sum
+ * keeps one column's k0 k1 or its k2 k3 products; the two lanes are converted to float32 and added
+ * at the end. A lane stays exact in int32 while 2 kq 127 |qx| < 2^31, so x's range shrinks from
+ * 32767 for k past 1,032 (the bound takes |e_x| as it comes). Tiles of 16 columns (Q_COLS: four
+ * groups of four, a k quad one 64-byte line, a tile's lines in a row) and rows in blocks of up to
+ * QA_ROWS, so that a block's 8 sums, a weight vector and x's values fit the 16 vector registers;
+ * the first block streams a tile's lines from memory, the others read them from L1. Tiles of 64
+ * columns, read as four chunks of 16, had taken 1.4-1.5 ms at one row with the head in memory
+ * (SmolLM2, 2-core Zen 4 EPYC without AVX-512): 64 bytes of every 256 in the first pass. */
+#include <immintrin.h>
+#define HAVE_INT8_HEAD 2
+#define HAVE_AMX_INT8_HEAD 0
+#define QA_ROWS 2
+#define QA_GROUPS 4 /* four-column groups a tile */
+#ifndef Q_AHEAD
+#define Q_AHEAD 6144
+#endif
+
+/* 8 columns' sums from two groups' lanes (a: columns c .. c + 3, b: c + 4 .. c + 7; each column's
+ * k0 k1 and k2 k3 lanes side by side), scaled, into y from column c (the columns past n left
+ * alone). */
+static inline __attribute__((always_inline)) void qa_emit(__m256i a, __m256i b, const float *scale, float sx,
+                                                          int64_t c, int64_t n, float *y) {
+    if (c >= n) return;
+    /* hadd: [c0 c1 c4 c5 | c2 c3 c6 c7]; the permute puts the 64-bit pairs in column order */
+    __m256 d = _mm256_hadd_ps(_mm256_cvtepi32_ps(a), _mm256_cvtepi32_ps(b));
+    d = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(d), 0xD8));
+    __m256 v = _mm256_mul_ps(d, _mm256_mul_ps(_mm256_loadu_ps(scale + c), _mm256_set1_ps(sx)));
+    if (c + 8 <= n) {
+        _mm256_storeu_ps(y + c, v);
+    } else {
+        float tail[8];
+        _mm256_storeu_ps(tail, v);
+        memcpy(y + c, tail, (size_t)(n - c) * sizeof *tail);
+    }
+}
+
+/* Rows r0 .. r0 + R - 1 (their 16-bit values at qx, 4 kq a row) against the tile of columns c .. c +
+ * 15 (w): their approximate logits into approx [rows, n], from row r0's. ahead: the lines Q_AHEAD
+ * bytes ahead are asked for, into L2. */
+static inline __attribute__((always_inline)) void int8_tile_avx2(const int16_t *qx, int64_t kq, const int8_t *w,
+                                                                  const float *scale, const float *sx, int64_t c,
+                                                                  int64_t n, int R, int ahead, float *approx) {
+    __m256i acc[QA_ROWS][QA_GROUPS];
+    for (int i = 0; i < QA_ROWS; i++)
+        for (int g = 0; g < QA_GROUPS; g++) acc[i][g] = _mm256_setzero_si256();
+    for (int64_t kk = 0; kk < kq; kk++) {
+        const int8_t *wk = w + kk * 4 * Q_COLS;
+        if (ahead) _mm_prefetch((const char *)wk + Q_AHEAD, _MM_HINT_T1);
+        __m256i xq[QA_ROWS];
+        for (int i = 0; i < R; i++) {
+            int64_t quad;
+            memcpy(&quad, qx + (int64_t)i * 4 * kq + 4 * kk, sizeof quad);
+            xq[i] = _mm256_set1_epi64x(quad);
+        }
+        for (int g = 0; g < QA_GROUPS; g++) {
+            __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wk + 16 * g)));
+            for (int i = 0; i < R; i++) acc[i][g] = _mm256_add_epi32(acc[i][g], _mm256_madd_epi16(wv, xq[i]));
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int g = 0; g < QA_GROUPS; g += 2)
+            qa_emit(acc[i][g], acc[i][g + 1], scale, sx[i], c + 4 * g, n, approx + (int64_t)i * n);
+}
+
+/* int8_tile_avx2 for R (1 .. QA_ROWS) rows, each count its own unrolled copy. */
+static void int8_tile_rows(const int16_t *qx, int64_t kq, const int8_t *w, const float *scale, const float *sx,
+                            int64_t c, int64_t n, int R, int ahead, float *approx) {
+    switch (R) {
+    case 1: int8_tile_avx2(qx, kq, w, scale, sx, c, n, 1, ahead, approx); break;
+#if QA_ROWS > 2
+    case 2: int8_tile_avx2(qx, kq, w, scale, sx, c, n, 2, ahead, approx); break;
+#endif
+#if QA_ROWS > 3
+    case 3: int8_tile_avx2(qx, kq, w, scale, sx, c, n, 3, ahead, approx); break;
+#endif
+    default: int8_tile_avx2(qx, kq, w, scale, sx, c, n, QA_ROWS, ahead, approx); break;
+    }
+}
 #else
 #define HAVE_INT8_HEAD 0
 #define HAVE_AMX_INT8_HEAD 0
@@ -461,8 +549,11 @@ void kvs_int8_head_pack(const float *w, int64_t n, int64_t k, int8_t *qp, float 
     }
 }
 
-/* Whether this build has the int8 copy's products (AVX-512 with VNNI). */
+/* Whether this build has the int8 copy's products: 1 AVX-512 with VNNI, 2 AVX2, 0 neither. */
 int kvs_int8_head_available(void) { return HAVE_INT8_HEAD; }
+
+/* The columns of one of the int8 copy's tiles in this build (Q_COLS). */
+int kvs_int8_head_tile_cols(void) { return Q_COLS; }
 
 /* approx [rows, n] = each row of x [rows, k] times the int8 copy (qp, packed as above for n columns
  * padded to whole tiles and k to whole quads; scale s_j and rowsum sum_k q_jk as long as the padded
@@ -491,6 +582,11 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
         return -1;
     }
     uint32_t *hi = quads, *lo = quads + rows * kq;
+#if HAVE_INT8_HEAD == 2 /* each lane's 2 kq products within int32 (see int8_tile_avx2) */
+    const float qmax = (float)fmin(32767.0, floor(2147483647.0 / (254.0 * (double)kq)));
+#else
+    const float qmax = 32767.0f;
+#endif
     for (int64_t r = 0; r < rows; r++) {
         uint32_t *hr = hi + r * kq, *lr = lo + r * kq; /* the row's high and low quads */
         if (amx) { /* row r is row i of chunk c, of R rows */
@@ -512,21 +608,26 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
             xnorms[2 * r] = xnorms[2 * r + 1] = NAN; /* hi + 128 stays 0: the sums are whatever, and unused */
             continue;
         }
-        float s = big / 32767.0f, inv = big > 0.0f ? 1.0f / s : 0.0f;
+        float s = big / qmax, inv = big > 0.0f ? 1.0f / s : 0.0f;
         double xs = 0.0, es = 0.0;
         uint8_t *h = (uint8_t *)hr, *l = (uint8_t *)lr;
         for (int64_t kk = 0; kk < 4 * kq; kk++) {
             int32_t q = 0;
             if (kk < k) {
                 float v = nearbyintf(xr[kk] * inv);
-                q = v > 32767.0f ? 32767 : v < -32767.0f ? -32767 : (int32_t)v;
+                q = v > qmax ? (int32_t)qmax : v < -qmax ? -(int32_t)qmax : (int32_t)v;
                 double e = (double)xr[kk] - (double)s * (double)q;
                 xs += (double)xr[kk] * xr[kk];
                 es += e * e;
             }
+#if HAVE_INT8_HEAD == 2
+            (void)h, (void)l;
+            ((int16_t *)quads)[r * 4 * kq + kk] = (int16_t)q; /* the row's 16-bit values, 4 kq of them */
+#else
             int32_t low = q & 255;
             h[kk] = (uint8_t)((q - low) / 256 + 128);
             l[kk] = (uint8_t)low;
+#endif
         }
         sx[r] = s;
         xnorms[2 * r] = (float)(sqrt(xs) * (1.0 + 0x1p-20));
@@ -552,6 +653,16 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
     } else
 #endif
     {
+#if HAVE_INT8_HEAD == 2
+        (void)rowsum; /* the 16-bit values are signed: no offset to take off */
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < tiles; t++)
+            for (int64_t r0 = 0; r0 < rows; r0 += QA_ROWS) {
+                int R = (int)(rows - r0 < QA_ROWS ? rows - r0 : QA_ROWS);
+                int8_tile_rows((const int16_t *)quads + r0 * 4 * kq, kq, qp + t * kq * 4 * Q_COLS, scale, sx + r0,
+                                t * Q_COLS, n, R, r0 == 0, approx + r0 * n);
+            }
+#else
 #pragma omp parallel for schedule(static)
         for (int64_t t = 0; t < tiles; t++)
             for (int64_t r0 = 0; r0 < rows; r0 += Q_ROWS) {
@@ -564,6 +675,7 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
                 default: int8_tile(h, l, kq, qp, scale, rowsum, sx + r0, t, n, 3, ahead, a); break;
                 }
             }
+#endif
     }
     free(quads);
     free(sx);
