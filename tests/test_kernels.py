@@ -692,9 +692,10 @@ def test_row_tiles_taking_turns_on_a_group_give_the_same_bits():
 @needs_kernels
 def test_row_panels_give_the_same_bits():
     """From two blocks of rows on, the GEMM's tasks run group by group within panels of blocks (as
-    many as half the L2 holds of x) instead of block by block: the same tiles in another order, so
-    every product is the same bits either way, float32 and bf16 weights, with a short last block
-    and several panels where x is large, and matches torch."""
+    many as half the L2 holds of x) instead of block by block, or only a short last block shares a
+    panel with the block before it: the same tiles in other orders, so every product is the same
+    bits every way, float32 and bf16 weights, with a short last block (65, 130, 260 rows) or a long
+    one (300) and several panels where x is large, and matches torch."""
     gen = torch.Generator().manual_seed(21)
     x = torch.randn(300, 1536, generator=gen)
     raw = {k: torch.randn(100, k, generator=gen) for k in (64, 600, 1536)}
@@ -705,8 +706,32 @@ def test_row_panels_give_the_same_bits():
         outs = _products_both_ways(KERNELS._lib.kvs_gemm_set_row_panels, shapes, x, raw)
         for got, (m, k, w) in zip(outs, shapes):
             assert torch.equal(got[-1:], KERNELS.gemm(x[m - 1 : m, :k].contiguous(), w, None))  # alone, the same
+        short = _products_both_ways(lambda on: KERNELS._lib.kvs_gemm_set_row_panels(2 if on else 1), shapes, x, raw)
+        assert all(torch.equal(a, b) for a, b in zip(outs, short))
     finally:
-        KERNELS._lib.kvs_gemm_set_row_panels(1)
+        KERNELS._lib.kvs_gemm_set_row_panels(_process_row_panels())
+
+
+def _process_row_panels() -> int:
+    """The row panels this process's kernels run with (tune_short_panels's choice, else the C default)."""
+    return 2 if KERNELS.short_panels else 1
+
+
+@needs_kernels
+def test_short_panels_are_tuned_or_set_once_per_process(monkeypatch):
+    """Whether only a short last block shares a panel is timed once per process at 256 rows, or set
+    by KVSTRATA_GEMM_SHORT_PANELS; a bad value is an error naming the variable, and no weights keep
+    the panels without timing."""
+    from kvstrata.worker.cpu_kernels import CpuKernels
+
+    gen = torch.Generator().manual_seed(14)
+    weights = [KERNELS.pack(torch.randn(200, 96, generator=gen)) for _ in range(3)]
+    try:
+        _check_switch_env(monkeypatch, "KVSTRATA_GEMM_SHORT_PANELS", "short_panels", weights, built=True)
+        assert CpuKernels(KERNELS._lib).tune_short_panels([]) is False
+        assert isinstance(CpuKernels(KERNELS._lib).tune_short_panels(weights, rounds=1), bool)
+    finally:
+        KERNELS._lib.kvs_gemm_set_row_panels(_process_row_panels())
 
 
 def _products_both_ways(switch, shapes, x: torch.Tensor, raw: dict) -> list[torch.Tensor]:

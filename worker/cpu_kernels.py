@@ -107,6 +107,7 @@ class CpuKernels:
         self.turns: bool | None = None  # set by tune_turns (the C default, on with AVX-512, until then)
         self.two_groups: bool | None = None  # set by tune_two_groups (the C default, on where built, until then)
         self.wide_copy: bool | None = None  # set by tune_wide_copy (the C default, on, until then)
+        self.short_panels: bool | None = None  # set by tune_short_panels (the C default, off, until then)
         lib.kvs_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_add_rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.kvs_rms_norm_f32.restype = lib.kvs_add_rms_norm_f32.restype = None
@@ -454,6 +455,27 @@ class CpuKernels:
                                         "with a widened copy", rounds)
         self.wide_copy = bool(self._lib.kvs_gemm_set_wide_copy(int(chosen)))
         return self.wide_copy
+
+    def tune_short_panels(self, weights: list[PackedWeight], rounds: int = 3) -> bool:
+        """Whether only a short last block of rows (32 or fewer) shares a panel, with the block before
+        it, while the other blocks run block by block (csrc/gemm.c's tasks), or the row blocks of a
+        prompt chunk share panels of as many as half the L2 holds, chosen once per process by timing
+        a pass over the first eight of `weights` (a model's projections) at 256 rows both ways,
+        alternating. On a 2-core Xeon with AMX the panels made prompt chunks' float32 products
+        1.05-1.13x faster; on a 2-core Zen 4 EPYC without AVX-512 they ran 1.08-1.17x slower from 196
+        to 512 rows, and only a short last block gained from them (1.13-1.52x at 66-130 rows). bf16
+        weights on AMX tiles (which do not run these tasks) keep the panels without timing.
+        KVSTRATA_GEMM_SHORT_PANELS=0 or 1 sets it without timing. Same results either way: the same
+        tiles in another order."""
+        if self.short_panels is not None:
+            return self.short_panels
+        applies = bool(weights) and not (weights[0].data.dtype == torch.bfloat16 and self.amx)
+        chosen = self._timed_switch("KVSTRATA_GEMM_SHORT_PANELS", applies, weights[:8], 256,
+                                    lambda on: self._lib.kvs_gemm_set_row_panels(2 if on else 1),
+                                    "with panels for a short last block only", rounds)
+        self._lib.kvs_gemm_set_row_panels(2 if chosen else 1)
+        self.short_panels = chosen
+        return chosen
 
     def _timed_switch(self, env: str, applies: bool, weights: list[PackedWeight], rows: int, set_option,
                       what: str, rounds: int) -> bool:

@@ -111,6 +111,7 @@ class LlamaModel:
             if dtype == torch.float32:  # and whether 9-32-row products take turns (float32 only)
                 kernels.tune_turns(panels)
             kernels.tune_two_groups(panels)  # and how one row streams (AVX2 builds)
+            kernels.tune_short_panels(panels)  # and how a prompt chunk's row blocks share the weights
             if dtype == torch.bfloat16:  # and whether widened bf16 blocks multiply a float32 copy
                 kernels.tune_wide_copy(panels)
         self.greedy_head = self._make_greedy_head(head, dtype, shard)

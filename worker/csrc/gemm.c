@@ -541,8 +541,12 @@ static int64_t x_panel_bytes(void) {
     }
     return panel_bytes;
 }
+/* How tasks' blocks share panels (see tasks): 1 panels of as many blocks as half the L2 holds, 2 only
+ * a short last block (MB / 2 rows or fewer) in a panel with the block before it, the others block by
+ * block, 0 block by block (tests and benchmarks). 1 until the engine has timed 1 against 2
+ * (CpuKernels.tune_short_panels). */
 static int row_panels_on = 1;
-void kvs_gemm_set_row_panels(int on) { row_panels_on = on; } /* tests and benchmarks; off: block-major */
+void kvs_gemm_set_row_panels(int mode) { row_panels_on = mode; }
 
 /* Where row tile t of a block's `rows` rows, in `tiles` tiles of at most MR, starts. Tiles of MR rows,
  * unless the last would hold MR / 2 rows or fewer: then the rows are shared evenly, so that 17 rows
@@ -666,7 +670,16 @@ static inline __attribute__((always_inline)) void emit_silu_bf16(const float *ga
  * a core; SmolLM2's float32 products, a step's weights from memory, toggled in one process) 260
  * rows took 1.18x less time, 268 1.13x, 292 1.08x, 388 1.10x and 520 1.09x; whole numbers of
  * blocks ran even, so long as x fit (with all of 512 or 1,024 rows in one panel, 0.96x and 0.93x:
- * hence the panels). One block is the decode case, unchanged. */
+ * hence the panels). One block is the decode case, unchanged.
+ *
+ * Elsewhere the panels cost more than they save. On a 2-core Zen 4 EPYC without AVX-512 (an AVX2
+ * build, 1 MB of L2 a core; a layer's four float32 products of SmolLM2, four layers' weights,
+ * alternating in one process), group by group within panels ran 1.08-1.17x slower than block by
+ * block from 196 to 512 rows, also with panels of two blocks, while at 66, 70 and 130 rows (a last
+ * block of 2, 6 and 2 rows) panels ran 1.13-1.52x faster: the short last block is what re-streams
+ * the weights for little work. So there (row_panels_on 2) only a last block of MB / 2 rows or fewer
+ * shares a panel, with the block before it, and the rest run block by block: as fast as the panels
+ * at 66-130 rows and as block by block from 196 on. Which way a host runs is timed at load. */
 static inline __attribute__((always_inline)) void tasks(const void *x, const void *wp, const float *bias, void *y,
                                                         int64_t m, int64_t n, int64_t k, int mode, int form) {
     /* Y_SILU, Y_SILU_BF16: wp holds 2n rows, the gate's n and then the up projection's (n a whole
@@ -679,6 +692,8 @@ static inline __attribute__((always_inline)) void tasks(const void *x, const voi
     float up_sums[silu ? MB * NR : 1] __attribute__((aligned(64)));
     int64_t fit = row_panels_on ? x_panel_bytes() / (MB * k * (mode == 2 ? 2 : 4)) : 1;
     int64_t panels = fit > 1 ? (blocks + fit - 1) / fit : blocks; /* panel p: blocks p B / P .. (p + 1) B / P - 1 */
+    if (row_panels_on == 2) /* the short last block with the one before it: P = B - 1 puts both in the last panel */
+        panels = fit > 1 && blocks >= 2 && m % MB != 0 && m % MB <= MB / 2 ? blocks - 1 : blocks;
 #pragma omp for schedule(guided) nowait
     for (int64_t task = 0; task < all; task++) {
         int64_t p = task * panels / all; /* a first guess, then the panel whose tasks hold `task` */
