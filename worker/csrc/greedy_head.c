@@ -270,8 +270,9 @@ int64_t kvs_greedy_head(const float *x, const float *approx, const float *xnorms
 /* The int8 copy of the head: each row j scaled by s_j = max |w_j| / 127 and rounded, q_j = round(w_j /
  * s_j) (kvs_int8_head_pack makes it, with s_j, sum_k q_jk and |e_j| = |w_j - s_j q_j|), packed in tiles of
  * Q_COLS columns: qp[t][kq][c][4] = q[Q_COLS t + c, 4 kq .. 4 kq + 3], a tile's k quad one 256-byte
- * line run, its four vectors Q_GROUP columns each (AVX2 builds: tiles of 16 columns, below). Each row of x is taken to 16 bits, qx = round(x /
- * s_x), s_x = max |x| / 32767, split as qx = 256 hi + lo (lo in 0 .. 255, hi + 128 too), and each
+ * line run, its four vectors Q_GROUP columns each (AVX2 builds: tiles of 16 columns, below). Each
+ * row of x is taken to 16 bits, qx = round(x / s_x), s_x = max |x| / 32767, split as qx = 256 hi +
+ * lo (lo in 0 .. 255, hi + 128 too), and each
  * tile's sums sum_k (hi + 128) q and sum_k lo q come from the unsigned-by-signed byte dot products
  * (four products a lane, exact in int32), so that sum_k qx q_j = 256 (high sum - 128 sum_k q_j) +
  * low sum, exactly. Two dot products a quad of k against one bf16 dot product a pair: the same
@@ -490,19 +491,13 @@ static inline __attribute__((always_inline)) void int8_tile_avx2(const int16_t *
             qa_emit(acc[i][g], acc[i][g + 1], scale, sx[i], c + 4 * g, n, approx + (int64_t)i * n);
 }
 
-/* int8_tile_avx2 for R (1 .. QA_ROWS) rows, each count its own unrolled copy. */
+/* int8_tile_avx2 for one row or QA_ROWS, each count its own unrolled copy. */
 static void int8_tile_rows(const int16_t *qx, int64_t kq, const int8_t *w, const float *scale, const float *sx,
-                            int64_t c, int64_t n, int R, int ahead, float *approx) {
-    switch (R) {
-    case 1: int8_tile_avx2(qx, kq, w, scale, sx, c, n, 1, ahead, approx); break;
-#if QA_ROWS > 2
-    case 2: int8_tile_avx2(qx, kq, w, scale, sx, c, n, 2, ahead, approx); break;
-#endif
-#if QA_ROWS > 3
-    case 3: int8_tile_avx2(qx, kq, w, scale, sx, c, n, 3, ahead, approx); break;
-#endif
-    default: int8_tile_avx2(qx, kq, w, scale, sx, c, n, QA_ROWS, ahead, approx); break;
-    }
+                           int64_t c, int64_t n, int R, int ahead, float *approx) {
+    if (R == 1)
+        int8_tile_avx2(qx, kq, w, scale, sx, c, n, 1, ahead, approx);
+    else
+        int8_tile_avx2(qx, kq, w, scale, sx, c, n, QA_ROWS, ahead, approx);
 }
 #else
 #define HAVE_INT8_HEAD 0
@@ -610,7 +605,12 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
         }
         float s = big / qmax, inv = big > 0.0f ? 1.0f / s : 0.0f;
         double xs = 0.0, es = 0.0;
+#if HAVE_INT8_HEAD == 2
+        int16_t *q16 = (int16_t *)quads + r * 4 * kq; /* the row's 16-bit values, 4 kq of them */
+        (void)lr;
+#else
         uint8_t *h = (uint8_t *)hr, *l = (uint8_t *)lr;
+#endif
         for (int64_t kk = 0; kk < 4 * kq; kk++) {
             int32_t q = 0;
             if (kk < k) {
@@ -621,8 +621,7 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
                 es += e * e;
             }
 #if HAVE_INT8_HEAD == 2
-            (void)h, (void)l;
-            ((int16_t *)quads)[r * 4 * kq + kk] = (int16_t)q; /* the row's 16-bit values, 4 kq of them */
+            q16[kk] = (int16_t)q;
 #else
             int32_t low = q & 255;
             h[kk] = (uint8_t)((q - low) / 256 + 128);
