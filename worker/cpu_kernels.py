@@ -657,7 +657,7 @@ class CpuKernels:
         if dtype not in _LAYER_DTYPES or weight.n % 2 or x.dtype != dtype:
             raise ValueError("gemm_silu needs float32 or bf16 x and a packed gate_up of its dtype, 2I rows")
         inter = weight.n // 2
-        if dtype == torch.bfloat16 and (self.amx or not self.bf16_dot):  # the tiles, or bf16 widened: two calls
+        if dtype == torch.bfloat16 and self.amx:  # the tiles: two calls
             return self.silu_mul(self.gemm(x, weight, None))
         xd = _dense(x, dtype)
         act = torch.empty((m, inter), dtype=dtype)

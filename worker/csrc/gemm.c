@@ -906,7 +906,9 @@ void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const fl
 void kvs_silu_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t rows, int64_t inter);
 
 /* kvs_gemm_f32_silu for bf16 rows and weights, y rounded as a bf16 model rounds: in one pass on the
- * dot products, else the product into gate_up [m, 2 inter] (bf16) and kvs_silu_mul_bf16. */
+ * dot products, or with the weights widened (x widened first, as kvs_gemm_bf16x widens it), else
+ * (AMX tiles, one row, or inter not whole groups) the product into gate_up [m, 2 inter] (bf16) and
+ * kvs_silu_mul_bf16. The same sums either way, so the same bits. */
 void kvs_gemm_bf16x_silu(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *gate_up, uint16_t *act,
                          int64_t m, int64_t inter, int64_t k) {
     if (dot_on && kvs_gemm_silu_fuses(m, inter)) {
@@ -915,6 +917,14 @@ void kvs_gemm_bf16x_silu(const uint16_t *x, int64_t ldx, const uint16_t *wp, uin
 #pragma omp parallel
         tasks(xp, wp, NULL, act, m, inter, even(k), 2, Y_SILU_BF16);
         free(p);
+        return;
+    }
+    if (!dot_on && !kvs_amx_active() && kvs_gemm_silu_fuses(m, inter)) {
+        float *xf = malloc((size_t)(m * k) * sizeof *xf);
+        kvs_widen_bf16(x, ldx, xf, m, k);
+#pragma omp parallel
+        tasks(xf, wp, NULL, act, m, inter, k, 1, Y_SILU_BF16);
+        free(xf);
         return;
     }
     kvs_gemm_bf16x(x, ldx, wp, NULL, gate_up, Y_BF16, m, 2 * inter, k);

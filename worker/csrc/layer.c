@@ -249,7 +249,7 @@ int kvs_layer_bf16(const LayerWeights *w, const DecodeStep *s, uint16_t *k_cache
     TIMED(STAGE_CONVERT, kvs_narrow_bf16(s->wide_out, s->attn, t * q_size));
     TIMED(STAGE_O_PROJ, gemm_bf16_rows(s, s->attn, w->o_proj, NULL, s->o, h, q_size));
     TIMED(STAGE_NORMS, kvs_add_rms_norm_bf16(s->o, s->residual, w->post_norm, s->x, t, h, s->eps));
-    if (kvs_bf16_dot_active() && kvs_gemm_silu_fuses(t, s->inter)) { /* as in float32 (never with AMX tiles) */
+    if (!kvs_amx_active() && kvs_gemm_silu_fuses(t, s->inter)) { /* as in float32, the weights paired or widened */
         TIMED(STAGE_GATE_UP, kvs_gemm_bf16x_silu(s->x, h, w->gate_up, s->gate_up, s->act, t, s->inter, h));
     } else {
         TIMED(STAGE_GATE_UP, gemm_bf16_rows(s, s->x, w->gate_up, NULL, s->gate_up, 2 * s->inter, h));
