@@ -940,6 +940,12 @@ def test_the_wide_copy_is_tuned_or_set_once_per_process(monkeypatch):
         assert CpuKernels(KERNELS._lib).tune_wide_copy([KERNELS.pack(torch.randn(200, 96, generator=gen))]) is True
         timed = CpuKernels(KERNELS._lib).tune_wide_copy(bf16, rounds=1)
         assert isinstance(timed, bool) and (timed is True or not (KERNELS.amx or KERNELS.bf16_dot))
+        # a model's gate_up products are timed as it runs them: with their SiLU, through gemm_silu
+        fresh, joined = CpuKernels(KERNELS._lib), []
+        monkeypatch.setattr(fresh, "gemm_silu", lambda x, w: joined.append(w))
+        fresh.tune_wide_copy(bf16, rounds=1, joined=bf16[1:2])
+        timing = not (KERNELS.amx or KERNELS.bf16_dot)  # only the widening kernel is timed
+        assert joined == ([bf16[1]] * 4 if timing else [])  # both ways, in a settling round and a timed one
     finally:
         KERNELS._lib.kvs_gemm_set_wide_copy(restore)
 

@@ -113,7 +113,8 @@ class LlamaModel:
             kernels.tune_two_groups(panels)  # and how one row streams (AVX2 builds)
             kernels.tune_short_panels(panels)  # and how a prompt chunk's row blocks share the weights
             if dtype == torch.bfloat16:  # and whether widened bf16 blocks multiply a float32 copy
-                kernels.tune_wide_copy(panels)
+                gate_ups = [g[0] if isinstance(g, tuple) else g for g in (layer.gate_up for layer in self.layers)]
+                kernels.tune_wide_copy(panels, joined=gate_ups)
         self.greedy_head = self._make_greedy_head(head, dtype, shard)
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                     c.rope_scaling, dtype, device)
