@@ -459,7 +459,7 @@ class CpuKernels:
         self.wide_copy = bool(self._lib.kvs_gemm_set_wide_copy(int(chosen)))
         return self.wide_copy
 
-    def tune_short_panels(self, weights: list[PackedWeight], rounds: int = 3) -> bool:
+    def tune_short_panels(self, weights: list[PackedWeight], rounds: int = 3, joined: list[PackedWeight] = ()) -> bool:
         """Whether only a short last block of rows (32 or fewer) shares a panel, with the block before
         it, while the other blocks run block by block (csrc/gemm.c's tasks), or the row blocks of a
         prompt chunk share panels of as many as half the L2 holds, chosen once per process by timing
@@ -469,13 +469,13 @@ class CpuKernels:
         to 512 rows, and only a short last block gained from them (1.13-1.52x at 66-130 rows). bf16
         weights on AMX tiles (which do not run these tasks) keep the panels without timing.
         KVSTRATA_GEMM_SHORT_PANELS=0 or 1 sets it without timing. Same results either way: the same
-        tiles in another order."""
+        tiles in another order. joined: as for tune_wide_copy (a model's gate_up, timed with its SiLU)."""
         if self.short_panels is not None:
             return self.short_panels
         applies = bool(weights) and not (weights[0].data.dtype == torch.bfloat16 and self.amx)
         chosen = self._timed_switch("KVSTRATA_GEMM_SHORT_PANELS", applies, weights[:8], 256,
                                     lambda on: self._lib.kvs_gemm_set_row_panels(2 if on else 1),
-                                    "with panels for a short last block only", rounds)
+                                    "with panels for a short last block only", rounds, joined)
         self._lib.kvs_gemm_set_row_panels(2 if chosen else 1)
         self.short_panels = chosen
         return chosen

@@ -106,14 +106,15 @@ class LlamaModel:
             from kvstrata.worker.cpu_kernels import load_cpu_kernels
 
             kernels = load_cpu_kernels()
+            # the gate_up products run with their SiLU in the same pass: timed so where it matters
+            gate_ups = [g[0] if isinstance(g, tuple) else g for g in (layer.gate_up for layer in self.layers)]
             if dtype == torch.float32 or not kernels.amx:  # (bf16 on AMX tiles does not use it)
                 kernels.tune_prefetch(panels)
             if dtype == torch.float32:  # and whether 9-32-row products take turns (float32 only)
                 kernels.tune_turns(panels)
             kernels.tune_two_groups(panels)  # and how one row streams (AVX2 builds)
-            kernels.tune_short_panels(panels)  # and how a prompt chunk's row blocks share the weights
+            kernels.tune_short_panels(panels, joined=gate_ups)  # and how a prompt chunk's row blocks share weights
             if dtype == torch.bfloat16:  # and whether widened bf16 blocks multiply a float32 copy
-                gate_ups = [g[0] if isinstance(g, tuple) else g for g in (layer.gate_up for layer in self.layers)]
                 kernels.tune_wide_copy(panels, joined=gate_ups)
         self.greedy_head = self._make_greedy_head(head, dtype, shard)
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
