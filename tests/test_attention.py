@@ -216,6 +216,7 @@ def test_float32_decode_prefetches_every_row_it_reads_once(tasks):
     table = torch.randperm(num_blocks, generator=gen)[:69].repeat(batch, 1)  # 69 blocks hold 1,104 tokens
     q = torch.randn(batch, h, d, generator=gen)
     default = lib.kvs_decode_set_key_ahead(1)
+    owners = lib.kvs_decode_set_shared_owners(0)  # every sequence's own rows (the test below shares them out)
     try:
         lib.kvs_decode_stream_rows()  # from zero
         streamed = KERNELS.paged_decode(q, k_cache, v_cache, table, seq_lens, d ** -0.5)
@@ -227,9 +228,56 @@ def test_float32_decode_prefetches_every_row_it_reads_once(tasks):
         unahead_rows = lib.kvs_decode_stream_rows()
     finally:
         lib.kvs_decode_set_key_ahead(default)
+        lib.kvs_decode_set_shared_owners(owners)
     assert rows == (0 if tasks == "heads" else 2 * int(seq_lens.sum()))
     assert bf16_rows == 0 and unahead_rows == 0
     assert torch.equal(streamed, blocks)
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+@pytest.mark.parametrize("threads", [1, None])
+def test_decode_leaves_blocks_sequences_share_to_the_first_one(threads):
+    """Sequences of a large batch whose tables begin with the same blocks (a shared prompt prefix):
+    the first sequence holding a block prefetches it, and once that sequence is done the others skip
+    the block's prefetches (csrc/dense_decode.c's Owners). The outputs are the same bits either way,
+    float32 and bf16. On one thread every later sequence runs after the first is done, so their
+    streams drop every row of the shared blocks they enter whole; on the kernel's own threads they
+    drop some, never add any. Without sharing out, each row read is prefetched once."""
+    lib = KERNELS._lib
+    before = lib.omp_get_max_threads()
+    if threads is not None:
+        lib.omp_set_num_threads(threads)
+    gen = torch.Generator().manual_seed(7)
+    h, h_kv, d, block, batch, shared, own = 9, 3, 64, 16, 16, 20, 3  # 320 shared tokens, 3 blocks each after
+    k_cache = torch.randn(shared + batch * own, block, h_kv, d, generator=gen)
+    v_cache = torch.randn(shared + batch * own, block, h_kv, d, generator=gen)
+    table = torch.cat([torch.arange(shared).repeat(batch, 1),
+                       shared + torch.arange(batch * own).reshape(batch, own)], dim=1)
+    seq_lens = shared * block + torch.randint(1, own * block + 1, (batch,), generator=gen)
+    q = torch.randn(batch, h, d, generator=gen)
+    ahead, owners = lib.kvs_decode_set_key_ahead(1), lib.kvs_decode_set_shared_owners(1)
+    outs, rows = {}, {}
+    try:
+        lib.kvs_decode_stream_rows()  # from zero
+        for on in (1, 0):
+            lib.kvs_decode_set_shared_owners(on)
+            outs[on] = KERNELS.paged_decode(q, k_cache, v_cache, table, seq_lens, d ** -0.5)
+            rows[on] = lib.kvs_decode_stream_rows()
+            outs[on, "bf16"] = KERNELS.paged_decode(q, k_cache.bfloat16(), v_cache.bfloat16(), table, seq_lens,
+                                                    d ** -0.5)
+    finally:
+        lib.kvs_decode_set_key_ahead(ahead)
+        lib.kvs_decode_set_shared_owners(owners)
+        lib.omp_set_num_threads(before)
+    assert torch.isfinite(outs[1]).all()
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[1, "bf16"], outs[0, "bf16"])
+    assert rows[0] == 2 * int(seq_lens.sum())  # K and V rows, each once
+    shared_rows = 2 * shared * block  # K and V rows of the shared blocks
+    assert rows[1] >= shared_rows + 2 * int((seq_lens - shared * block).sum())  # the first's, and each one's own
+    if threads == 1:  # sequences 2 .. 15 drop all of them (sequence 1 some: the first one's stream ran into it)
+        assert rows[1] <= rows[0] - (batch - 2) * shared_rows
+    else:
+        assert rows[1] <= rows[0]
 
 
 @pytest.mark.skipif(KERNELS is None, reason="no C compiler")

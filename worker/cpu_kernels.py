@@ -97,6 +97,9 @@ class CpuKernels:
         if ahead is not None:
             lib.kvs_decode_set_key_ahead(int(ahead))
         self.key_ahead = bool(lib.kvs_decode_set_key_ahead(-1))  # -1 leaves it, returning it
+        # a block several sequences share is prefetched by its first sequence's streams (tests, benchmarks)
+        lib.kvs_decode_set_shared_owners.argtypes = [ctypes.c_int]
+        lib.kvs_decode_set_shared_owners.restype = ctypes.c_int
         lib.kvs_decode_stream_rows.argtypes = []  # rows float32 decodes streamed since the last call (tests)
         lib.kvs_decode_stream_rows.restype = ctypes.c_int64
         lib.kvs_prefill_set_pairs.argtypes = [ctypes.c_int]  # prefill attention tiles in pairs on/off

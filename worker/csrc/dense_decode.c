@@ -23,7 +23,8 @@
  * into L2, a token row at a time, so the value pass finds them there; while the values are summed,
  * the keys of the chunk that follows are (see KeyAhead). float32 rows read by tasks of all heads
  * take a Stream instead: the rows prefetched in the order the passes read them, a fixed distance
- * ahead.
+ * ahead. In a large batch, a block several sequences share (a common prompt prefix) is prefetched
+ * by the first of them only (see Owners).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -65,6 +66,21 @@ static int64_t chunk_tokens(int64_t num_heads, int64_t bs) {
  * nothing measurable in steps, so they keep the old prefetches. */
 #define STREAM_BYTES (32 << 10)
 
+/* For each block id a call's tables use, the first sequence in the batch that holds it (see
+ * stream_block; entries for ids no table uses are never read), and which sequences are done. */
+typedef struct {
+    int32_t *first;
+    int *done;
+    const int64_t *tables;
+    int64_t width;
+} Owners;
+
+/* Whether `block` of a sequence's table is another sequence's to prefetch, one that is done. */
+static inline int owned_elsewhere(const Owners *o, const int64_t *table, int64_t block) {
+    int32_t owner = o->first[block];
+    return owner != (table - o->tables) / o->width && __atomic_load_n(o->done + owner, __ATOMIC_RELAXED);
+}
+
 typedef struct {
     const char *cache[4]; /* K, V, next K, next V */
     const int64_t *table[4];
@@ -73,10 +89,23 @@ typedef struct {
     int64_t r, ib, j;  /* the next row to prefetch: row r of segment seg, token j of block table[ib] */
     const char *block; /* that block's first row */
     int64_t issued, skipped, bs, row_bytes, dist; /* rows issued (the skipped ones included), ahead: dist */
+    const Owners *owners; /* the call's (see stream_block), or NULL */
+    int shared;           /* the current block's rows are another sequence's to prefetch: issued, not prefetched */
+    int64_t dropped;      /* rows issued without a prefetch for that reason */
 } Stream;
 
+/* A block several sequences of a call share (a common prompt prefix: one physical block in several
+ * tables) is prefetched by its first sequence in the batch; once that sequence is done, the others
+ * skip it and read its rows from L3, where its prefetches brought them. A sequence that runs beside
+ * the first one (the other thread took it) prefetches as usual: skipping there made 8 sequences in
+ * pairs 1.2x slower. Only a whole block is skipped, and a stream skips one only where it enters it
+ * at its first row (one that resumes inside a block, the rows a carry covered, prefetches the rest:
+ * at worst some rows twice). Prefetches change when bytes arrive, not the sums. */
 static inline void stream_block(Stream *st) {
-    st->block = st->cache[st->seg] + st->table[st->seg][st->ib] * st->bs * st->row_bytes;
+    int64_t block = st->table[st->seg][st->ib];
+    st->block = st->cache[st->seg] + block * st->bs * st->row_bytes;
+    st->shared = st->owners && st->j == 0 && (st->ib - st->first[st->seg] + 1) * st->bs <= st->rows[st->seg] &&
+                 owned_elsewhere(st->owners, st->table[st->seg], block);
 }
 
 /* Segment seg from its row r on (r <= its rows). */
@@ -96,8 +125,12 @@ static inline void stream_upto(Stream *st, int64_t pos) {
             stream_seek(st, st->seg + 1, 0);
             continue;
         }
-        const char *p = st->block + st->j * st->row_bytes;
-        for (int64_t b = 0; b < st->row_bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
+        if (st->shared) {
+            st->dropped++;
+        } else {
+            const char *p = st->block + st->j * st->row_bytes;
+            for (int64_t b = 0; b < st->row_bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
+        }
         st->r++;
         st->issued++;
         if (++st->j == st->bs) {
@@ -118,10 +151,10 @@ static inline int64_t chunk_rows(int64_t ctx, int64_t c, int64_t per_chunk, int6
  * already prefetched by the stream before it; the first dist rows asked for. */
 static inline void stream_start(Stream *st, const void *k_cache, const void *v_cache, const int64_t *table,
                                 int64_t ib0, int64_t t, const int64_t *nx_table, int64_t nx_ib0, int64_t nx_t,
-                                int64_t bs, int64_t row_bytes, int64_t carry) {
+                                int64_t bs, int64_t row_bytes, int64_t carry, const Owners *owners) {
     *st = (Stream){.cache = {k_cache, v_cache, k_cache, v_cache}, .table = {table, table, nx_table, nx_table},
                    .rows = {t, t, nx_t, nx_t}, .first = {ib0, ib0, nx_ib0, nx_ib0}, .bs = bs, .row_bytes = row_bytes,
-                   .dist = STREAM_BYTES / row_bytes > 0 ? STREAM_BYTES / row_bytes : 1};
+                   .dist = STREAM_BYTES / row_bytes > 0 ? STREAM_BYTES / row_bytes : 1, .owners = owners};
     st->skipped = st->issued = carry < 2 * t ? carry : 2 * t;
     if (st->issued > t) stream_seek(st, 1, st->issued - t);
     else stream_seek(st, 0, st->issued);
@@ -133,7 +166,8 @@ static inline int64_t stream_carry(const Stream *st) {
     return st->seg < 2 ? 0 : st->seg == 2 ? st->r : st->rows[2] + st->r;
 }
 
-/* Rows the streams prefetched (those skipped for a carry not counted), summed over the threads
+/* Rows the streams prefetched (those skipped for a carry or left to a shared block's first stream
+ * not counted), summed over the threads
  * since the last call, which resets it: for tests, where each row read must be prefetched once. */
 static int64_t stream_rows;
 int64_t kvs_decode_stream_rows(void) { return __atomic_exchange_n(&stream_rows, 0, __ATOMIC_RELAXED); }
@@ -170,7 +204,7 @@ static inline __attribute__((always_inline)) void key_dots(const float *q, const
  * into s[qi * ct + j]; lanes past n hold -1e30 (e^-87 after the softmax, never read by the values).
  * part: [H][VW] vectors; buf [d] and kp [Hkv][2d]: room to decode coded rows and int4 key blocks'
  * parameters. pf_k, pf_v: the next block's keys (NULL at the task's last block) and this block's
- * values, those heads' part of a token row prefetched per token; or a stream (st, the block's
+ * values (NULL: not prefetched), those heads' part of a token row prefetched per token; or a stream (st, the block's
  * first row at `pos` in it) that takes their place. */
 static inline __attribute__((always_inline)) void score_block(
     const float *qs, const void *k_cache, int64_t block, int64_t bs, int64_t num_kv_heads, int64_t h0, int64_t h1,
@@ -197,7 +231,9 @@ static inline __attribute__((always_inline)) void score_block(
                 if (pf_k)
                     for (int64_t b = pf_from; b < pf_to; b += 64)
                         __builtin_prefetch(pf_k + (j0 + j) * row_bytes + b, 0, 1);
-                for (int64_t b = pf_from; b < pf_to; b += 64) __builtin_prefetch(pf_v + (j0 + j) * row_bytes + b, 0, 1);
+                if (pf_v)
+                    for (int64_t b = pf_from; b < pf_to; b += 64)
+                        __builtin_prefetch(pf_v + (j0 + j) * row_bytes + b, 0, 1);
             }
             for (int64_t h = h0; h < h1; h++) {
                 vf k[MAX_DV];
@@ -350,6 +386,8 @@ typedef struct {
     const int64_t *table; /* NULL: nothing follows */
     int64_t ib, ib1;      /* blocks left: ib .. ib1 - 1 */
     int64_t off, block_bytes;
+    const Owners *owners; /* blocks owned elsewhere are skipped (stream_block), whole ones of ctx tokens */
+    int64_t ctx, bs;
 } KeyAhead;
 
 /* Whether value passes pull keys ahead: -1 until the first call decides (on, except on Intel CPUs),
@@ -374,7 +412,7 @@ int kvs_decode_set_key_ahead(int on) { /* on < 0 leaves it; returns the setting 
 }
 
 static inline void ahead_init(KeyAhead *a, const void *k_cache, const int64_t *table, int64_t ctx, int64_t c,
-                              int64_t per_chunk, int64_t bs, int64_t row_bytes) {
+                              int64_t per_chunk, int64_t bs, int64_t row_bytes, const Owners *owners) {
     int64_t num_blocks = (ctx + bs - 1) / bs, ib0 = c * per_chunk;
     a->k_cache = k_cache;
     a->table = table != NULL && ib0 < num_blocks ? table : NULL;
@@ -382,10 +420,18 @@ static inline void ahead_init(KeyAhead *a, const void *k_cache, const int64_t *t
     a->ib1 = ib0 + per_chunk < num_blocks ? ib0 + per_chunk : num_blocks;
     a->off = 0;
     a->block_bytes = bs * row_bytes;
+    a->owners = owners;
+    a->ctx = ctx;
+    a->bs = bs;
 }
 
 static inline void ahead_pull(KeyAhead *a, int64_t bytes) {
     while (a->table != NULL && bytes > 0 && a->ib < a->ib1) {
+        if (a->off == 0 && a->owners && (a->ib + 1) * a->bs <= a->ctx &&
+            owned_elsewhere(a->owners, a->table, a->table[a->ib])) {
+            a->ib++;
+            continue;
+        }
         const char *p = a->k_cache + a->table[a->ib] * a->block_bytes;
         int64_t end = a->off + bytes < a->block_bytes ? a->off + bytes : a->block_bytes;
         for (int64_t b = a->off; b < end; b += 64) __builtin_prefetch(p + b, 0, 1);
@@ -411,7 +457,7 @@ static inline __attribute__((always_inline)) void decode_chunks(
     const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, int64_t c0,
     int64_t c1, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, float scale, const RowFormat *format,
     int64_t h0, int64_t h1, float *state, float *work, const int64_t *nx_table, int64_t nx_ctx, int64_t nx_c,
-    int64_t *carry, int64_t *streamed, const int KIND, const int ALL_HEADS) {
+    int64_t *carry, int64_t *streamed, const Owners *owners, const int KIND, const int ALL_HEADS) {
     /* the row kind a constant where the caller knows it, and whether all heads are (see chunks_of) */
     if (ALL_HEADS) {
         h0 = 0;
@@ -439,13 +485,18 @@ static inline __attribute__((always_inline)) void decode_chunks(
             int last = c + 1 == c1;
             const int64_t *nt = last ? nx_table : table;
             int64_t nc = last ? nx_c : c + 1, nt_rows = nt ? chunk_rows(last ? nx_ctx : ctx, nc, per_chunk, bs) : 0;
-            stream_start(&stream, k_cache, v_cache, table, ib0, t, nt, nc * per_chunk, nt_rows, bs, row_bytes, *carry);
+            stream_start(&stream, k_cache, v_cache, table, ib0, t, nt, nc * per_chunk, nt_rows, bs, row_bytes, *carry,
+                         owners);
             st = &stream;
         }
         for (int64_t ib = ib0; ib < ib1; ib++) {
             int64_t block = table[ib], n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
             const char *pf_k = ib + 1 < last_block ? (const char *)k_cache + table[ib + 1] * bs * row_bytes : NULL;
             const char *pf_v = (const char *)v_cache + block * bs * row_bytes;
+            if (owners && !st) { /* the stream asks the owners itself */
+                if (pf_k && (ib + 2) * bs <= ctx && owned_elsewhere(owners, table, table[ib + 1])) pf_k = NULL;
+                if ((ib + 1) * bs <= ctx && owned_elsewhere(owners, table, block)) pf_v = NULL;
+            }
             float *sb = s + (ib - ib0) * bs;
             if (d == 64)
                 score_block(qs, k_cache, block, bs, num_kv_heads, h0, h1, group, f, 64 / VW, n, sb, stride, part, buf,
@@ -461,8 +512,8 @@ static inline __attribute__((always_inline)) void decode_chunks(
             l[i] = softmax_chunk(s + i * stride, t, m + i);
         }
         KeyAhead ahead;
-        if (c + 1 < c1) ahead_init(&ahead, k_cache, table, ctx, c + 1, per_chunk, bs, row_bytes);
-        else ahead_init(&ahead, k_cache, nx_table, nx_ctx, nx_c, per_chunk, bs, row_bytes);
+        if (c + 1 < c1) ahead_init(&ahead, k_cache, table, ctx, c + 1, per_chunk, bs, row_bytes, owners);
+        else ahead_init(&ahead, k_cache, nx_table, nx_ctx, nx_c, per_chunk, bs, row_bytes, owners);
         int64_t ahead_bytes = !st && key_ahead && ahead.table ? (ahead.ib1 - ahead.ib) * ahead.block_bytes : 0;
         ahead_bytes = ahead_bytes < AHEAD_MAX ? ahead_bytes : AHEAD_MAX;
         int64_t share = (ahead_bytes + (ib1 - ib0) * heads - 1) / ((ib1 - ib0) * heads);
@@ -478,7 +529,7 @@ static inline __attribute__((always_inline)) void decode_chunks(
         }
         if (c > c0) combine(state, mine, num_heads, d, q0, q1);
         *carry = st ? stream_carry(st) : 0;
-        *streamed += st ? st->issued - st->skipped : 0;
+        *streamed += st ? st->issued - st->skipped - st->dropped : 0;
     }
 }
 
@@ -490,9 +541,9 @@ static inline __attribute__((always_inline)) void decode_chunks(
 #define CHUNKS_ARGS const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, \
     int64_t c0, int64_t c1, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, float scale,         \
     const RowFormat *f, int64_t h0, int64_t h1, float *state, float *work, const int64_t *nx_table, int64_t nx_ctx, \
-    int64_t nx_c, int64_t *carry, int64_t *streamed
+    int64_t nx_c, int64_t *carry, int64_t *streamed, const Owners *owners
 #define CHUNKS_PASS q, k_cache, v_cache, table, ctx, c0, c1, num_heads, num_kv_heads, d, bs, scale, f, h0, h1, state, \
-    work, nx_table, nx_ctx, nx_c, carry, streamed
+    work, nx_table, nx_ctx, nx_c, carry, streamed, owners
 static void chunks_f32(CHUNKS_ARGS) { decode_chunks(CHUNKS_PASS, ROW_F32, 1); }
 static void chunks_bf16(CHUNKS_ARGS) { decode_chunks(CHUNKS_PASS, ROW_BF16, 1); }
 static void chunks_coded(CHUNKS_ARGS) { decode_chunks(CHUNKS_PASS, -1, 1); }
@@ -512,6 +563,64 @@ static chunks_fn *chunks_of(const RowFormat *f, int all_heads) {
 static size_t work_floats(int64_t num_heads, int64_t d, int64_t bs) {
     return (size_t)(num_heads * VW * VW + num_heads * d + partial_floats(num_heads, d) +
                     num_heads * (chunk_tokens(num_heads, bs) + VW) + d + 2 * num_heads * d) + 64;
+}
+
+/* Whether streams leave a block other sequences share to its first sequence's (stream_block): on
+ * unless set off (tests and benchmarks; on < 0 leaves it). Returns the setting before. */
+static int shared_owners = 1;
+int kvs_decode_set_shared_owners(int on) {
+    int was = shared_owners;
+    if (on >= 0) shared_owners = on != 0;
+    return was;
+}
+
+#define OWNERS_MAX_IDS (1 << 22) /* past this many block ids every sequence prefetches every row it reads */
+
+/* The calling thread's buffers for its calls' Owners, grown as needed and kept (an engine calls from
+ * one thread, 30 times a step): first [ids], done [batch]. */
+static _Thread_local int32_t *owners_first;
+static _Thread_local int *owners_done;
+static _Thread_local int64_t owners_ids, owners_batch;
+
+static int owners_room(int64_t ids, int64_t batch) {
+    if (ids > owners_ids) {
+        int32_t *p = realloc(owners_first, (size_t)ids * sizeof *p);
+        if (!p) return 0;
+        owners_first = p;
+        owners_ids = ids;
+    }
+    if (batch > owners_batch) {
+        int *p = realloc(owners_done, (size_t)batch * sizeof *p);
+        if (!p) return 0;
+        owners_done = p;
+        owners_batch = batch;
+    }
+    return 1;
+}
+
+/* The call's Owners, filled for the blocks the tables use, none done; first NULL where they are off,
+ * where no two sequences share a block, or where a block id reaches OWNERS_MAX_IDS. */
+static Owners owners_for(const int64_t *block_tables, const int64_t *seq_lens, int64_t batch, int64_t bs,
+                         int64_t width) {
+    Owners none = {NULL, NULL, block_tables, width};
+    if (!shared_owners || batch < 2) return none;
+    int64_t top = 0;
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t ib = 0; ib < (seq_lens[b] + bs - 1) / bs; ib++)
+            top = block_tables[b * width + ib] > top ? block_tables[b * width + ib] : top;
+    if (top >= OWNERS_MAX_IDS || !owners_room(top + 1, batch)) return none;
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t ib = 0; ib < (seq_lens[b] + bs - 1) / bs; ib++) owners_first[block_tables[b * width + ib]] = -1;
+    int shared = 0;
+    for (int64_t b = batch - 1; b >= 0; b--) /* the last write of a block's id is its first sequence's */
+        for (int64_t ib = 0; ib < (seq_lens[b] + bs - 1) / bs; ib++) {
+            int32_t *first = owners_first + block_tables[b * width + ib];
+            shared |= *first >= 0;
+            *first = (int32_t)b;
+        }
+    if (!shared) return none; /* no block to leave to another sequence: nothing for the prefetches to ask */
+    memset(owners_done, 0, (size_t)batch * sizeof *owners_done);
+    return (Owners){owners_first, owners_done, block_tables, width};
 }
 
 /* Task `task`'s sequence b and chunk c. */
@@ -553,6 +662,9 @@ void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, con
     float *partials = by_sequence ? NULL : malloc((size_t)(first[batch] * pf) * sizeof(float));
     size_t floats = work_floats(num_heads, d, bs) + (size_t)pf;
     chunks_fn *run = chunks_of(f, per_chunk == 1);
+    /* where a task is a whole sequence, so that a sequence is done when its task is */
+    Owners own = by_sequence ? owners_for(block_tables, seq_lens, batch, bs, width) : (Owners){NULL, NULL, NULL, 0};
+    const Owners *owners = own.first ? &own : NULL;
     int64_t claimed = 0;
 #pragma omp parallel
     {
@@ -580,13 +692,14 @@ void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, con
                     memset(out + b * num_heads * d, 0, (size_t)(num_heads * d) * sizeof(float));
                 } else {
                     run(qb, k_cache, v_cache, table, seq_lens[b], 0, chunks, num_heads, num_kv_heads, d, bs, scale,
-                        f, 0, num_kv_heads, state, work, nx_table, nx_ctx, nc, &carry, &streamed);
+                        f, 0, num_kv_heads, state, work, nx_table, nx_ctx, nc, &carry, &streamed, owners);
                     finish(state, out + b * num_heads * d, num_heads, d);
                 }
+                if (owners) __atomic_store_n(own.done + b, 1, __ATOMIC_RELAXED);
             } else {
                 int64_t h0 = task % per_chunk, h1 = per_chunk == 1 ? num_kv_heads : h0 + 1;
                 run(qb, k_cache, v_cache, table, seq_lens[b], c, c + 1, num_heads, num_kv_heads, d, bs, scale, f,
-                    h0, h1, partials + task / per_chunk * pf, work, nx_table, nx_ctx, nc, &carry, &streamed);
+                    h0, h1, partials + task / per_chunk * pf, work, nx_table, nx_ctx, nc, &carry, &streamed, owners);
             }
             task = next;
         }
