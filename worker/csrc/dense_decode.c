@@ -27,6 +27,7 @@
  * by the first of them only (see Owners).
  */
 #include <omp.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -576,26 +577,52 @@ int kvs_decode_set_shared_owners(int on) {
 
 #define OWNERS_MAX_IDS (1 << 22) /* past this many block ids every sequence prefetches every row it reads */
 
-/* The calling thread's buffers for its calls' Owners, grown as needed and kept (an engine calls from
- * one thread, 30 times a step): first [ids], done [batch]. */
-static _Thread_local int32_t *owners_first;
-static _Thread_local int *owners_done;
-static _Thread_local int64_t owners_ids, owners_batch;
+/* The calling thread's buffers for its calls' Owners, grown as needed and kept until the thread ends
+ * (an engine calls from one thread, 30 times a step): first [ids], done [batch]. */
+typedef struct {
+    int32_t *first;
+    int *done;
+    int64_t ids, batch;
+} OwnersBuf;
 
-static int owners_room(int64_t ids, int64_t batch) {
-    if (ids > owners_ids) {
-        int32_t *p = realloc(owners_first, (size_t)ids * sizeof *p);
-        if (!p) return 0;
-        owners_first = p;
-        owners_ids = ids;
+static pthread_key_t owners_key;
+static int owners_key_ok;
+static pthread_once_t owners_once = PTHREAD_ONCE_INIT;
+
+static void free_owners_buf(void *p) {
+    OwnersBuf *o = p;
+    free(o->first);
+    free(o->done);
+    free(o);
+}
+
+static void make_owners_key(void) { owners_key_ok = pthread_key_create(&owners_key, free_owners_buf) == 0; }
+
+/* The calling thread's buffers with room for ids block ids and batch sequences, or NULL. */
+static OwnersBuf *owners_room(int64_t ids, int64_t batch) {
+    pthread_once(&owners_once, make_owners_key);
+    if (!owners_key_ok) return NULL;
+    OwnersBuf *o = pthread_getspecific(owners_key);
+    if (!o) {
+        if (!(o = calloc(1, sizeof *o))) return NULL;
+        if (pthread_setspecific(owners_key, o) != 0) {
+            free(o);
+            return NULL;
+        }
     }
-    if (batch > owners_batch) {
-        int *p = realloc(owners_done, (size_t)batch * sizeof *p);
-        if (!p) return 0;
-        owners_done = p;
-        owners_batch = batch;
+    if (ids > o->ids) {
+        int32_t *p = realloc(o->first, (size_t)ids * sizeof *p);
+        if (!p) return NULL;
+        o->first = p;
+        o->ids = ids;
     }
-    return 1;
+    if (batch > o->batch) {
+        int *p = realloc(o->done, (size_t)batch * sizeof *p);
+        if (!p) return NULL;
+        o->done = p;
+        o->batch = batch;
+    }
+    return o;
 }
 
 /* The call's Owners, filled for the blocks the tables use, none done; first NULL where they are off,
@@ -608,19 +635,20 @@ static Owners owners_for(const int64_t *block_tables, const int64_t *seq_lens, i
     for (int64_t b = 0; b < batch; b++)
         for (int64_t ib = 0; ib < (seq_lens[b] + bs - 1) / bs; ib++)
             top = block_tables[b * width + ib] > top ? block_tables[b * width + ib] : top;
-    if (top >= OWNERS_MAX_IDS || !owners_room(top + 1, batch)) return none;
+    OwnersBuf *buf = top < OWNERS_MAX_IDS ? owners_room(top + 1, batch) : NULL;
+    if (!buf) return none;
     for (int64_t b = 0; b < batch; b++)
-        for (int64_t ib = 0; ib < (seq_lens[b] + bs - 1) / bs; ib++) owners_first[block_tables[b * width + ib]] = -1;
+        for (int64_t ib = 0; ib < (seq_lens[b] + bs - 1) / bs; ib++) buf->first[block_tables[b * width + ib]] = -1;
     int shared = 0;
     for (int64_t b = batch - 1; b >= 0; b--) /* the last write of a block's id is its first sequence's */
         for (int64_t ib = 0; ib < (seq_lens[b] + bs - 1) / bs; ib++) {
-            int32_t *first = owners_first + block_tables[b * width + ib];
+            int32_t *first = buf->first + block_tables[b * width + ib];
             shared |= *first >= 0;
             *first = (int32_t)b;
         }
     if (!shared) return none; /* no block to leave to another sequence: nothing for the prefetches to ask */
-    memset(owners_done, 0, (size_t)batch * sizeof *owners_done);
-    return (Owners){owners_first, owners_done, block_tables, width};
+    memset(buf->done, 0, (size_t)batch * sizeof *buf->done);
+    return (Owners){buf->first, buf->done, block_tables, width};
 }
 
 /* Task `task`'s sequence b and chunk c. */
