@@ -167,9 +167,9 @@ static inline int64_t stream_carry(const Stream *st) {
     return st->seg < 2 ? 0 : st->seg == 2 ? st->r : st->rows[2] + st->r;
 }
 
-/* Rows the streams prefetched (those skipped for a carry or left to a shared block's first stream
- * not counted), summed over the threads
- * since the last call, which resets it: for tests, where each row read must be prefetched once. */
+/* Rows the streams prefetched (those skipped for a carry or left to a shared block's first sequence
+ * not counted), summed over the threads since the last call, which resets it: for tests, where each
+ * row read must be prefetched once. */
 static int64_t stream_rows;
 int64_t kvs_decode_stream_rows(void) { return __atomic_exchange_n(&stream_rows, 0, __ATOMIC_RELAXED); }
 
@@ -387,7 +387,7 @@ typedef struct {
     const int64_t *table; /* NULL: nothing follows */
     int64_t ib, ib1;      /* blocks left: ib .. ib1 - 1 */
     int64_t off, block_bytes;
-    const Owners *owners; /* blocks owned elsewhere are skipped (stream_block), whole ones of ctx tokens */
+    const Owners *owners; /* whole blocks (of a context of ctx tokens) owned elsewhere are skipped */
     int64_t ctx, bs;
 } KeyAhead;
 
@@ -566,8 +566,9 @@ static size_t work_floats(int64_t num_heads, int64_t d, int64_t bs) {
                     num_heads * (chunk_tokens(num_heads, bs) + VW) + d + 2 * num_heads * d) + 64;
 }
 
-/* Whether streams leave a block other sequences share to its first sequence's (stream_block): on
- * unless set off (tests and benchmarks; on < 0 leaves it). Returns the setting before. */
+/* Whether decode attention leaves the prefetches of a block several sequences share to the first of
+ * them (stream_block): on unless set off (tests and benchmarks; on < 0 leaves it). Returns the
+ * setting before. */
 static int shared_owners = 1;
 int kvs_decode_set_shared_owners(int on) {
     int was = shared_owners;
