@@ -97,7 +97,7 @@ class CpuKernels:
         if ahead is not None:
             lib.kvs_decode_set_key_ahead(int(ahead))
         self.key_ahead = bool(lib.kvs_decode_set_key_ahead(-1))  # -1 leaves it, returning it
-        # a block several sequences share is prefetched by its first sequence's streams (tests, benchmarks)
+        # a block several sequences share is prefetched by the first of them only (tests, benchmarks)
         lib.kvs_decode_set_shared_owners.argtypes = [ctypes.c_int]
         lib.kvs_decode_set_shared_owners.restype = ctypes.c_int
         lib.kvs_decode_stream_rows.argtypes = []  # rows float32 decodes streamed since the last call (tests)

@@ -76,9 +76,11 @@ typedef struct {
     int64_t width;
 } Owners;
 
-/* Whether `block` of a sequence's table is another sequence's to prefetch, one that is done. */
-static inline int owned_elsewhere(const Owners *o, const int64_t *table, int64_t block) {
-    int32_t owner = o->first[block];
+/* Whether block ib of a sequence's table, whole in the sequence's first `end` tokens, is another
+ * sequence's to prefetch, one that is done (see stream_block). */
+static inline int left_to_owner(const Owners *o, const int64_t *table, int64_t ib, int64_t end, int64_t bs) {
+    if (!o || (ib + 1) * bs > end) return 0;
+    int32_t owner = o->first[table[ib]];
     return owner != (table - o->tables) / o->width && __atomic_load_n(o->done + owner, __ATOMIC_RELAXED);
 }
 
@@ -103,10 +105,9 @@ typedef struct {
  * at its first row (one that resumes inside a block, the rows a carry covered, prefetches the rest:
  * at worst some rows twice). Prefetches change when bytes arrive, not the sums. */
 static inline void stream_block(Stream *st) {
-    int64_t block = st->table[st->seg][st->ib];
-    st->block = st->cache[st->seg] + block * st->bs * st->row_bytes;
-    st->shared = st->owners && st->j == 0 && (st->ib - st->first[st->seg] + 1) * st->bs <= st->rows[st->seg] &&
-                 owned_elsewhere(st->owners, st->table[st->seg], block);
+    st->block = st->cache[st->seg] + st->table[st->seg][st->ib] * st->bs * st->row_bytes;
+    st->shared = st->j == 0 && left_to_owner(st->owners, st->table[st->seg], st->ib,
+                                             st->first[st->seg] * st->bs + st->rows[st->seg], st->bs);
 }
 
 /* Segment seg from its row r on (r <= its rows). */
@@ -428,8 +429,7 @@ static inline void ahead_init(KeyAhead *a, const void *k_cache, const int64_t *t
 
 static inline void ahead_pull(KeyAhead *a, int64_t bytes) {
     while (a->table != NULL && bytes > 0 && a->ib < a->ib1) {
-        if (a->off == 0 && a->owners && (a->ib + 1) * a->bs <= a->ctx &&
-            owned_elsewhere(a->owners, a->table, a->table[a->ib])) {
+        if (a->off == 0 && left_to_owner(a->owners, a->table, a->ib, a->ctx, a->bs)) {
             a->ib++;
             continue;
         }
@@ -494,9 +494,9 @@ static inline __attribute__((always_inline)) void decode_chunks(
             int64_t block = table[ib], n = ctx - ib * bs < bs ? ctx - ib * bs : bs;
             const char *pf_k = ib + 1 < last_block ? (const char *)k_cache + table[ib + 1] * bs * row_bytes : NULL;
             const char *pf_v = (const char *)v_cache + block * bs * row_bytes;
-            if (owners && !st) { /* the stream asks the owners itself */
-                if (pf_k && (ib + 2) * bs <= ctx && owned_elsewhere(owners, table, table[ib + 1])) pf_k = NULL;
-                if ((ib + 1) * bs <= ctx && owned_elsewhere(owners, table, block)) pf_v = NULL;
+            if (!st) { /* the stream asks the owners itself */
+                if (pf_k && left_to_owner(owners, table, ib + 1, ctx, bs)) pf_k = NULL;
+                if (left_to_owner(owners, table, ib, ctx, bs)) pf_v = NULL;
             }
             float *sb = s + (ib - ib0) * bs;
             if (d == 64)
