@@ -180,6 +180,10 @@ def test_rope_rotate_equals_rotate_half_reference():
     c, s = rope.lookup(positions)
     torch.testing.assert_close(rope.rotate(x, c, s), x * cos + rotated_half * sin)
     assert torch.equal(rope.rotate(x[:1], *rope.lookup(torch.tensor([0]))), x[:1])  # position 0 is the identity
+    # the dense rows the C kernels take: lookup's values, without the head dimension
+    rc, rs = rope.rows(positions)
+    assert rc.is_contiguous() and rs.is_contiguous() and rc.shape == (5, 8)
+    assert torch.equal(rc, c.squeeze(1)) and torch.equal(rs, s.squeeze(1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from kvstrata.worker.model import LlamaModel
 
 _P = ctypes.c_void_p
+SCRATCH_TOKENS = 64  # steps of up to this many tokens keep their scratch buffers for the next
 
 
 class _LayerWeights(ctypes.Structure):
@@ -79,6 +80,7 @@ class FusedDecode:
                 _packed(layer.down).data, nxt)]
             self._weights[i] = _LayerWeights(*ptr)
         self.eps, self.head_dim = c.rms_norm_eps, c.head_dim
+        self._kept: tuple | None = None  # (tokens, scratch buffers) of the last step (see _scratch)
 
     @staticmethod
     def build(model: LlamaModel) -> FusedDecode | None:
@@ -121,6 +123,25 @@ class FusedDecode:
         m = self.model
         return m.cpu_kernels.prefill_takes(m.num_heads, m.num_kv_heads, self.head_dim, block_size)
 
+    def _scratch(self, tokens: int, hidden: int, q_size: int, bf16: bool) -> tuple:
+        """The step's scratch buffers (qkv, attn, o, gate_up, act and, for bf16, the float32 wide_in
+        and wide_out), which only the C layers read and write, each before it reads it. Those of a
+        step of up to SCRATCH_TOKENS tokens are kept for the next step of as many: decode steps
+        repeat their count, and seven allocations a step cost about as much as the step's own
+        Python work at batch 1."""
+        if self._kept is not None and self._kept[0] == tokens:
+            return self._kept[1]
+
+        def buf(*shape: int, dtype: torch.dtype = self.dtype) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype)
+
+        made = (buf(tokens, self.qkv_n), buf(tokens, q_size), buf(tokens, hidden), buf(tokens, 2 * self.inter),
+                buf(tokens, self.inter),
+                buf(tokens, max(hidden, self.inter, q_size), dtype=torch.float32) if bf16 else None,
+                buf(tokens, max(self.qkv_n, 2 * self.inter), dtype=torch.float32) if bf16 else None)
+        self._kept = (tokens, made) if tokens <= SCRATCH_TOKENS else None
+        return made
+
     def forward(self, residual: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
         """residual [T, hidden] (updated in place to the last layer's output) and x its normed copy;
@@ -129,14 +150,8 @@ class FusedDecode:
         tokens, hidden = residual.shape
         q_size = m.num_heads * self.head_dim
 
-        def buf(*shape: int, dtype: torch.dtype = self.dtype) -> torch.Tensor:
-            return torch.empty(*shape, dtype=dtype)
-
-        qkv, attn, o = buf(tokens, self.qkv_n), buf(tokens, q_size), buf(tokens, hidden)
-        gate_up, act = buf(tokens, 2 * self.inter), buf(tokens, self.inter)
         bf16 = self.dtype == torch.bfloat16
-        wide_in = buf(tokens, max(hidden, self.inter, q_size), dtype=torch.float32) if bf16 else None
-        wide_out = buf(tokens, max(self.qkv_n, 2 * self.inter), dtype=torch.float32) if bf16 else None
+        qkv, attn, o, gate_up, act, wide_in, wide_out = self._scratch(tokens, hidden, q_size, bf16)
         if meta.num_decodes:
             tables = meta.decode_block_tables.to(torch.int64).contiguous()
             lens = meta.decode_seq_lens.to(torch.int64).contiguous()

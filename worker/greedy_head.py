@@ -178,25 +178,26 @@ class GreedyHead:
         if values is not None and (values.dtype != torch.float32 or values.shape != (n,) or not values.is_contiguous()):
             raise ValueError(f"GreedyHead.tokens: values must be a dense float32 [{n}]")
         out = torch.empty(n, dtype=torch.int64)
-        checked = torch.zeros(n, dtype=torch.int64)
+        checked = torch.empty(n, dtype=torch.int64)  # each row's count, written by its pick
+        # (slices and their pointers only past the first chunk: each tensor call counts at one row)
+        out_p, checked_p, values_p = out.data_ptr(), checked.data_ptr(), None if values is None else values.data_ptr()
         for r0 in range(0, n, _MAX_ROWS):
             rows = min(_MAX_ROWS, n - r0)
             approx = self._approx_buffer(rows)
-            xr = x[r0:r0 + rows]
+            xr = x if rows == n else x[r0:r0 + rows]
             head = None if self.head_rows is None else self.head_rows.data_ptr()
-            tail = (rows, v, k, out[r0:].data_ptr(), None if values is None else values[r0:].data_ptr(),
-                    checked[r0:].data_ptr())
+            tail = (rows, v, k, out_p + 8 * r0, None if values is None else values_p + 4 * r0, checked_p + 8 * r0)
             xnorms = self._approx_into(xr, approx)
             if xnorms is None:
                 return None
             int8 = (None, None) if self.bf16 is not None else (xnorms.data_ptr(), self.int8_enorm.data_ptr())
-            model_rows = (None, None, 0) if xb is None else (xb[r0:].data_ptr(), self.packed.data.data_ptr(),
+            model_rows = (None, None, 0) if xb is None else (xb.data_ptr() + 2 * r0 * k, self.packed.data.data_ptr(),
                                                               self._group_elems)
             if self._lib.kvs_greedy_head(xr.data_ptr(), approx.data_ptr(), int8[0],
                                          None if xb is not None else self.packed.data.data_ptr(), head,
                                          self.norms.data_ptr(), int8[1], *model_rows, *tail):
                 return None
-        self.checked += int(checked.sum())
+        self.checked += sum(checked.tolist())
         return out
 
     def approx_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -282,4 +283,4 @@ class GreedyHead:
         step would fault its pages in again (about 5 us a page on the VMs measured)."""
         if self._approx is None or self._approx.shape[0] < rows:
             self._approx = torch.empty((rows, self.packed.n), dtype=torch.float32)
-        return self._approx[:rows]
+        return self._approx if self._approx.shape[0] == rows else self._approx[:rows]

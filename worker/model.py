@@ -144,15 +144,15 @@ class LlamaModel:
         # norm that follows (one C pass in float32 on CPU)
         residual = F.embedding(input_ids, self.embed)  # [T, hidden], a fresh tensor
         num_tokens = residual.shape[0]
-        cos, sin = self.rope.lookup(positions)
         qk_size = self.q_size + self.kv_size
         fused_rope = self._fused_rope(kv_cache, meta)
         x = self._rms_norm(residual, self.layers[0].input_norm)
         if (self.fused_decode is not None and self.all_reduce is None  # set after load at TP
                 and kv_cache.is_contiguous() and self.fused_decode.takes(meta, num_tokens, kv_cache.shape[3])
                 and (fused_rope or self._quantized_rows_in_c(kv_cache, meta))):
-            self.fused_decode.forward(residual, x, cos, sin, meta, kv_cache)
+            self.fused_decode.forward(residual, x, *self.rope.rows(positions), meta, kv_cache)
             return residual
+        cos, sin = self.rope.lookup(positions)
         for i, layer in enumerate(self.layers):
             qkv = linear(x, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) * D]
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
@@ -202,7 +202,7 @@ class LlamaModel:
     def _slots_checked(kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
         slots = meta.slot_mapping
         capacity = kv_cache.shape[2] * kv_cache.shape[3]
-        if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < capacity):
+        if slots.numel() and not (0 <= int((bounds := torch.aminmax(slots)).min) and int(bounds.max) < capacity):
             raise ValueError(f"slot_mapping holds slots outside the pool's {capacity}")
         return True
 

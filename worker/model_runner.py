@@ -128,11 +128,15 @@ class ModelRunner:
                 hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
             except Exception as e:  # a collective failed: say which rank died, if one did
                 raise self.group.failure(e) from e
-        rows = last_token_rows[torch.tensor(sample_rows, dtype=torch.long)] if sample_rows else last_token_rows[:0]
-        if spans is not None:
-            rows = torch.tensor([r - i for r, n in zip(rows.tolist(), spans) for i in range(n - 1, -1, -1)],
-                                dtype=torch.long)
-        hidden = hidden[rows.to(self.device)]
+        if spans is None and hidden.shape[0] == len(sample_rows) == len(batch.requests) and sample_rows == [
+                *range(len(sample_rows))]:
+            pass  # one row a request, each its last token, all sampled in order: hidden as it is, no gather
+        else:
+            rows = last_token_rows[torch.tensor(sample_rows, dtype=torch.long)] if sample_rows else last_token_rows[:0]
+            if spans is not None:
+                rows = torch.tensor([r - i for r, n in zip(rows.tolist(), spans) for i in range(n - 1, -1, -1)],
+                                    dtype=torch.long)
+            hidden = hidden[rows.to(self.device)]
         tokens = self.model.greedy_tokens(hidden) if greedy else None
         return tokens if tokens is not None else self.model.compute_logits(hidden)
 
@@ -217,7 +221,8 @@ class ModelRunner:
         for r, s, n in zip(reqs, starts, counts):
             tokens.extend(r.token_ids[s : s + n])
         table = self._block_table(reqs)
-        if batch.num_decodes == len(reqs) == len(tokens):
+        decode_only = batch.num_decodes == len(reqs) == len(tokens)
+        if decode_only:
             positions, slot_mapping, ends = self._decode_rows(reqs, starts, kv_starts, bs)
         else:
             positions, slot_mapping, ends = self._token_rows(table, counts, starts, kv_starts, bs)
@@ -228,23 +233,28 @@ class ModelRunner:
             lens = [k + 1 for k in kv_starts[:d]]
             seq_lens = torch.tensor(lens, dtype=torch.long)
             width = -(-max(lens) // bs)
-            decode_tables = table[:d, :width].contiguous()
+            # (each tensor call counts in a decode step of a few rows: none where the table is that already)
+            decode_tables = table if table.shape == (d, width) else table[:d, :width].contiguous()
             if self.cpu_kernels is None:
                 decode_mask = (torch.arange(width * bs)[None, :] < seq_lens[:, None]).view(d, 1, 1, width * bs)
         prefills = []
-        row = int(ends[d - 1]) if d else 0
+        row = d if decode_only else int(ends[d - 1]) if d else 0  # decode rows: one a request
         for i in range(d, len(reqs)):
             ctx = kv_starts[i] + counts[i]
             prefills.append(PrefillChunk(row, counts[i], ctx, table[i, : -(-ctx // bs)].to(self.device)))
             row += counts[i]
 
         dev = self.device
+
+        def to_dev(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if t is None or dev.type == "cpu" else t.to(dev)
+
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
+            slot_mapping=to_dev(slot_mapping),
             num_decodes=d,
-            decode_block_tables=decode_tables.to(dev) if decode_tables is not None else None,
-            decode_seq_lens=seq_lens.to(dev) if seq_lens is not None else None,
-            decode_mask=decode_mask.to(dev) if decode_mask is not None else None,
+            decode_block_tables=to_dev(decode_tables),
+            decode_seq_lens=to_dev(seq_lens),
+            decode_mask=to_dev(decode_mask),
             prefills=prefills,
             cpu_kernels=self.cpu_kernels,
             kv_format=self.kv_format,
@@ -252,4 +262,4 @@ class ModelRunner:
             attention_observer=self.attention_observer,
         )
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        return input_ids, positions.to(dev), meta, ends - 1
+        return input_ids, to_dev(positions), meta, ends - 1

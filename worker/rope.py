@@ -50,6 +50,11 @@ class RotaryEmbedding:
         """positions: [T] -> (cos, signed sin), each [T, 1, D]; once per step, shared by every layer."""
         return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> (cos, signed sin), each a dense [T, D]: lookup's values without the
+        head dimension, as the C kernels take them."""
+        return self.cos.index_select(0, positions), self.signed_sin.index_select(0, positions)
+
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D] (queries and keys together) -> rotated copy."""
         return torch.addcmul(x * cos, x.roll(self.half, dims=-1), signed_sin)
