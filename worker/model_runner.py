@@ -20,13 +20,15 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.worker.attention import AttentionMetadata, PrefillChunk
-from kvstrata.worker.cpu_kernels import load_cpu_kernels
+from kvstrata.worker.cpu_kernels import PrefillArrays, load_cpu_kernels
 from kvstrata.worker.huge_pages import empty_on_huge_pages
 from kvstrata.worker.kv_cache_manager import BlockCopy
 from kvstrata.worker.kv_format import make_kv_format
 from kvstrata.worker.model import LlamaModel
 from kvstrata.worker.request import Request
 from kvstrata.worker.tensor_parallel import STEP, SYNC, TPComm, pack_step, pack_tier_ops, unpack_step, unpack_tier_ops
+
+LISTED_ROWS = 128  # steps of up to this many tokens build their positions and slots in Python (_listed_rows)
 
 
 @dataclass(slots=True)
@@ -132,11 +134,11 @@ class ModelRunner:
                 *range(len(sample_rows))]:
             pass  # one row a request, each its last token, all sampled in order: hidden as it is, no gather
         else:
-            rows = last_token_rows[torch.tensor(sample_rows, dtype=torch.long)] if sample_rows else last_token_rows[:0]
+            rows = last_token_rows[sample_rows] if sample_rows else last_token_rows[:0]
             if spans is not None:
                 rows = torch.tensor([r - i for r, n in zip(rows.tolist(), spans) for i in range(n - 1, -1, -1)],
                                     dtype=torch.long)
-            hidden = hidden[rows.to(self.device)]
+            hidden = hidden[rows if self.device.type == "cpu" else rows.to(self.device)]
         tokens = self.model.greedy_tokens(hidden) if greedy else None
         return tokens if tokens is not None else self.model.compute_logits(hidden)
 
@@ -189,13 +191,21 @@ class ModelRunner:
                             dtype=torch.long)
 
     @staticmethod
-    def _decode_rows(reqs: list[Request], starts: list[int], kv_starts: list[int], bs: int):
-        """(positions, slot_mapping, ends) of a decode-only step, one new token a request, from
-        Python lists: the general path's per-token tensor arithmetic costs more than it saves at
-        a decode step's sizes (`_prepare` took about 0.3 ms a step at batch 1 before)."""
-        slots = [r.block_table[e // bs].block_id * bs + e % bs for r, e in zip(reqs, kv_starts)]
-        return (torch.tensor(starts, dtype=torch.long), torch.tensor(slots, dtype=torch.long),
-                torch.arange(1, len(reqs) + 1))
+    def _listed_rows(reqs: list[Request], counts: list[int], starts: list[int], kv_starts: list[int], bs: int):
+        """(positions, slot_mapping, ends) of a step of few tokens (LISTED_ROWS or fewer), as
+        _token_rows gives them, from Python lists: the general path's per-token tensor arithmetic
+        (about ten tensor calls) costs more than it saves at these sizes (`_prepare` took about 0.3
+        ms a step at batch 1, and 0.6 ms a step with a prompt chunk beside the decodes, before)."""
+        positions: list[int] = []
+        slots: list[int] = []
+        ends: list[int] = []
+        for r, n, s, e in zip(reqs, counts, starts, kv_starts):
+            table = r.block_table
+            positions.extend(range(s, s + n))
+            slots.extend(table[x // bs].block_id * bs + x % bs for x in range(e, e + n))
+            ends.append(len(positions))
+        return (torch.tensor(positions, dtype=torch.long), torch.tensor(slots, dtype=torch.long),
+                torch.tensor(ends, dtype=torch.long))
 
     @staticmethod
     def _token_rows(table: torch.Tensor, counts: list[int], starts: list[int], kv_starts: list[int], bs: int):
@@ -221,9 +231,8 @@ class ModelRunner:
         for r, s, n in zip(reqs, starts, counts):
             tokens.extend(r.token_ids[s : s + n])
         table = self._block_table(reqs)
-        decode_only = batch.num_decodes == len(reqs) == len(tokens)
-        if decode_only:
-            positions, slot_mapping, ends = self._decode_rows(reqs, starts, kv_starts, bs)
+        if len(tokens) <= LISTED_ROWS:
+            positions, slot_mapping, ends = self._listed_rows(reqs, counts, starts, kv_starts, bs)
         else:
             positions, slot_mapping, ends = self._token_rows(table, counts, starts, kv_starts, bs)
 
@@ -238,11 +247,19 @@ class ModelRunner:
             if self.cpu_kernels is None:
                 decode_mask = (torch.arange(width * bs)[None, :] < seq_lens[:, None]).view(d, 1, 1, width * bs)
         prefills = []
-        row = d if decode_only else int(ends[d - 1]) if d else 0  # decode rows: one a request
+        row = sum(counts[:d])  # ends[d - 1], without a tensor call
         for i in range(d, len(reqs)):
             ctx = kv_starts[i] + counts[i]
             prefills.append(PrefillChunk(row, counts[i], ctx, table[i, : -(-ctx // bs)].to(self.device)))
             row += counts[i]
+        arrays = None
+        if prefills and self.cpu_kernels is not None:
+            # the C prefill kernel's arrays (attention.prefill_arrays) in two tensor calls: the chunks'
+            # rows of the step's table (padded with block 0 to the widest table, which the kernel
+            # takes as a row stride), and their starts, counts and contexts
+            columns = torch.tensor([[p.token_start for p in prefills], [p.num_tokens for p in prefills],
+                                    [p.context_len for p in prefills]], dtype=torch.long)
+            arrays = PrefillArrays(columns[0], columns[1], columns[2], table[d:])
 
         dev = self.device
 
@@ -258,6 +275,7 @@ class ModelRunner:
             prefills=prefills,
             cpu_kernels=self.cpu_kernels,
             kv_format=self.kv_format,
+            prefill_arrays=arrays,
             # the engine sets it for steps with H2O or SnapKV requests; a runner used alone has none
             attention_observer=self.attention_observer,
         )
