@@ -255,8 +255,9 @@ class ModelRunner:
         arrays = None
         if prefills and self.cpu_kernels is not None:
             # the C prefill kernel's arrays (attention.prefill_arrays) in two tensor calls: the chunks'
-            # rows of the step's table (padded with block 0 to the widest table, which the kernel
-            # takes as a row stride), and their starts, counts and contexts
+            # rows of the step's table, as wide as its widest request (the kernel takes the width as a
+            # row stride and reads only the blocks of each chunk's context), and their starts, counts
+            # and contexts
             columns = torch.tensor([[p.token_start for p in prefills], [p.num_tokens for p in prefills],
                                     [p.context_len for p in prefills]], dtype=torch.long)
             arrays = PrefillArrays(columns[0], columns[1], columns[2], table[d:])
