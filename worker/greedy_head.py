@@ -186,13 +186,15 @@ class GreedyHead:
             approx = self._approx_buffer(rows)
             xr = x if rows == n else x[r0:r0 + rows]
             head = None if self.head_rows is None else self.head_rows.data_ptr()
-            tail = (rows, v, k, out_p + 8 * r0, None if values is None else values_p + 4 * r0, checked_p + 8 * r0)
+            tail = (rows, v, k, out_p + r0 * out.element_size(),
+                    None if values is None else values_p + r0 * values.element_size(),
+                    checked_p + r0 * checked.element_size())
             xnorms = self._approx_into(xr, approx)
             if xnorms is None:
                 return None
             int8 = (None, None) if self.bf16 is not None else (xnorms.data_ptr(), self.int8_enorm.data_ptr())
-            model_rows = (None, None, 0) if xb is None else (xb.data_ptr() + 2 * r0 * k, self.packed.data.data_ptr(),
-                                                              self._group_elems)
+            model_rows = (None, None, 0) if xb is None else (xb.data_ptr() + r0 * k * xb.element_size(),
+                                                              self.packed.data.data_ptr(), self._group_elems)
             if self._lib.kvs_greedy_head(xr.data_ptr(), approx.data_ptr(), int8[0],
                                          None if xb is not None else self.packed.data.data_ptr(), head,
                                          self.norms.data_ptr(), int8[1], *model_rows, *tail):
