@@ -80,6 +80,7 @@ def test_greedy_tokens_are_the_float32_logits_argmax(kept, vocab, k, copy_env):
     for rows in (1, 5, 70):  # one row, a few, more than one bf16 product's worth
         xs = x.repeat(3, 1)[:rows]
         assert torch.equal(greedy.tokens(xs), _reference(xs, packed))
+    _check_values_past_the_first_call(greedy, x, packed)
 
 
 def _int8_head(vocab: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +124,17 @@ def test_int8_copy_tokens_are_the_float32_logits_argmax(kept, vocab, k, copy_env
     for rows in (1, 2, 4, 5, 70):  # tiles of 1, 2 and 3 rows; more than one call's worth
         xs = x.repeat(3, 1)[:rows]
         assert torch.equal(greedy.tokens(xs), _reference(xs, packed))
+    _check_values_past_the_first_call(greedy, x, packed)
     assert greedy.nbytes < head.numel() * 2  # a byte a weight, and its row sums, scales and norms
+
+
+def _check_values_past_the_first_call(greedy, x, packed):
+    """70 rows (two calls of the first pass): every row's token and logit where it belongs."""
+    xs = x.repeat(3, 1)[:70]
+    want = _reference(xs, packed)
+    values = torch.empty(70)
+    assert torch.equal(greedy.tokens(xs, values), want)
+    assert torch.equal(values, KERNELS.gemm(xs, packed, None, to_float=True)[torch.arange(70), want])
 
 
 @needs_int8
