@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from kvstrata.worker.model import LlamaModel
 
 _P = ctypes.c_void_p
-SCRATCH_TOKENS = 64  # steps of up to this many tokens keep their scratch buffers for the next
+SCRATCH_TOKENS = 64  # steps of up to this many tokens share one set of scratch buffers
 
 
 class _LayerWeights(ctypes.Structure):
@@ -80,7 +80,7 @@ class FusedDecode:
                 _packed(layer.down).data, nxt)]
             self._weights[i] = _LayerWeights(*ptr)
         self.eps, self.head_dim = c.rms_norm_eps, c.head_dim
-        self._kept: tuple | None = None  # (tokens, scratch buffers) of the last step (see _scratch)
+        self._kept: tuple | None = None  # the scratch buffers of steps of few tokens (see _scratch)
 
     @staticmethod
     def build(model: LlamaModel) -> FusedDecode | None:
@@ -125,21 +125,22 @@ class FusedDecode:
 
     def _scratch(self, tokens: int, hidden: int, q_size: int, bf16: bool) -> tuple:
         """The step's scratch buffers (qkv, attn, o, gate_up, act and, for bf16, the float32 wide_in
-        and wide_out), which only the C layers read and write, each before it reads it. Those of a
-        step of up to SCRATCH_TOKENS tokens are kept for the next step of as many: decode steps
-        repeat their count, and seven allocations a step cost about as much as the step's own
-        Python work at batch 1."""
-        if self._kept is not None and self._kept[0] == tokens:
-            return self._kept[1]
+        and wide_out), which only the C layers read and write, each before it reads it, through
+        their pointers with rows as wide as the step's: buffers of SCRATCH_TOKENS rows, made once,
+        serve every step of as many tokens or fewer (seven allocations a step cost about as much
+        as the step's own Python work at batch 1); a larger step gets its own."""
+        if tokens <= SCRATCH_TOKENS and self._kept is not None:
+            return self._kept
+        rows = max(tokens, SCRATCH_TOKENS)
 
-        def buf(*shape: int, dtype: torch.dtype = self.dtype) -> torch.Tensor:
-            return torch.empty(*shape, dtype=dtype)
+        def buf(width: int, dtype: torch.dtype = self.dtype) -> torch.Tensor:
+            return torch.empty(rows, width, dtype=dtype)
 
-        made = (buf(tokens, self.qkv_n), buf(tokens, q_size), buf(tokens, hidden), buf(tokens, 2 * self.inter),
-                buf(tokens, self.inter),
-                buf(tokens, max(hidden, self.inter, q_size), dtype=torch.float32) if bf16 else None,
-                buf(tokens, max(self.qkv_n, 2 * self.inter), dtype=torch.float32) if bf16 else None)
-        self._kept = (tokens, made) if tokens <= SCRATCH_TOKENS else None
+        made = (buf(self.qkv_n), buf(q_size), buf(hidden), buf(2 * self.inter), buf(self.inter),
+                buf(max(hidden, self.inter, q_size), dtype=torch.float32) if bf16 else None,
+                buf(max(self.qkv_n, 2 * self.inter), dtype=torch.float32) if bf16 else None)
+        if tokens <= SCRATCH_TOKENS:
+            self._kept = made
         return made
 
     def forward(self, residual: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
