@@ -120,8 +120,13 @@ def prefill_arrays(chunks: list[PrefillChunk]) -> PrefillArrays:
     tables = torch.zeros(len(chunks), width, dtype=torch.int64)
     for i, p in enumerate(chunks):
         tables[i, : len(p.block_ids)] = p.block_ids
-    columns = zip(*((p.token_start, p.num_tokens, p.context_len) for p in chunks))
-    return PrefillArrays(*(torch.tensor(c, dtype=torch.int64) for c in columns), tables)
+    return PrefillArrays(*prefill_columns(chunks), tables)
+
+
+def prefill_columns(chunks: list[PrefillChunk]) -> torch.Tensor:
+    """The chunks' first rows, new tokens and contexts, int64 [3, P], in one tensor call."""
+    return torch.tensor([[p.token_start for p in chunks], [p.num_tokens for p in chunks],
+                         [p.context_len for p in chunks]], dtype=torch.int64)
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.worker.attention import AttentionMetadata, PrefillChunk
+from kvstrata.worker.attention import AttentionMetadata, PrefillChunk, prefill_columns
 from kvstrata.worker.cpu_kernels import PrefillArrays, load_cpu_kernels
 from kvstrata.worker.huge_pages import empty_on_huge_pages
 from kvstrata.worker.kv_cache_manager import BlockCopy
@@ -130,10 +130,9 @@ class ModelRunner:
                 hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
             except Exception as e:  # a collective failed: say which rank died, if one did
                 raise self.group.failure(e) from e
-        if spans is None and hidden.shape[0] == len(sample_rows) == len(batch.requests) and sample_rows == [
-                *range(len(sample_rows))]:
-            pass  # one row a request, each its last token, all sampled in order: hidden as it is, no gather
-        else:
+        # a decode step samples every row, each its request's last token, in order: no gather there
+        in_order = spans is None and hidden.shape[0] == len(batch.requests) and sample_rows == [*range(len(hidden))]
+        if not in_order:
             rows = last_token_rows[sample_rows] if sample_rows else last_token_rows[:0]
             if spans is not None:
                 rows = torch.tensor([r - i for r, n in zip(rows.tolist(), spans) for i in range(n - 1, -1, -1)],
@@ -258,9 +257,7 @@ class ModelRunner:
             # rows of the step's table, as wide as its widest request (the kernel takes the width as a
             # row stride and reads only the blocks of each chunk's context), and their starts, counts
             # and contexts
-            columns = torch.tensor([[p.token_start for p in prefills], [p.num_tokens for p in prefills],
-                                    [p.context_len for p in prefills]], dtype=torch.long)
-            arrays = PrefillArrays(columns[0], columns[1], columns[2], table[d:])
+            arrays = PrefillArrays(*prefill_columns(prefills), table[d:])
 
         dev = self.device
 
