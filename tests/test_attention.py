@@ -163,6 +163,31 @@ def test_kernel_gives_a_sequence_the_same_bits_alone_and_in_a_large_batch(dtype,
 
 
 @pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+@pytest.mark.parametrize("h,h_kv,d,width", [(9, 3, 64, 40), (6, 2, 128, 9), (4, 1, 40, 9)])
+@pytest.mark.parametrize("batch", [1, 6, 40])  # per KV head, per chunk, per sequence
+def test_bf16_decode_rows_in_and_out_equal_the_float32_path_rounded(h, h_kv, d, width, batch):
+    """bf16 queries and K/V take the kernel's bf16-rows entry (as the fused bf16 layer does): each task
+    widens its own queries and rounds its own output. The bits must equal the float32 entry's (the
+    queries widened first) rounded to bf16 after, at head sizes 64 and 128 and the generic path's."""
+    gen = torch.Generator().manual_seed(h * 1000 + d + batch)
+    block, num_blocks = 16, 96
+    k_cache = (torch.randn(num_blocks, block, h_kv, d, generator=gen) * 3).bfloat16()
+    v_cache = torch.randn(num_blocks, block, h_kv, d, generator=gen).bfloat16()
+    seq_lens = torch.randint(1, width * block, (batch,), generator=gen)
+    if batch > 2:
+        seq_lens[:2] = torch.tensor([0, width * block])  # an empty context (zeros out), the widest table
+    table = torch.randint(0, num_blocks, (batch, width), generator=gen)
+    # q as a view with rows further apart than its heads (the fused layer's q/k/v rows)
+    qkv = (torch.randn(batch, h + 2 * h_kv, d, generator=gen) * 3).bfloat16()
+    q = qkv[:, :h]
+    rows = KERNELS.paged_decode(q, k_cache, v_cache, table, seq_lens, d ** -0.5)
+    floats = KERNELS.paged_decode(q.float(), k_cache, v_cache, table, seq_lens, d ** -0.5)
+    assert rows.dtype == torch.bfloat16 and floats.dtype == torch.float32
+    assert torch.isfinite(floats).all() and floats.abs().sum() > 0
+    assert torch.equal(rows.view(torch.int16), floats.bfloat16().view(torch.int16))
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", [1, 6, 12])  # per KV head, per chunk, per sequence
 def test_decode_gives_the_same_bits_with_keys_pulled_ahead_or_not(monkeypatch, dtype, batch):

@@ -45,7 +45,7 @@ class CpuKernels:
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
         args = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float]
-        for fn in (lib.kvs_paged_decode_f32, lib.kvs_paged_decode_bf16):
+        for fn in (lib.kvs_paged_decode_f32, lib.kvs_paged_decode_bf16, lib.kvs_paged_decode_bf16_rows):
             fn.argtypes = args
             fn.restype = None
         lib.kvs_paged_decode_codes.argtypes = args + [ctypes.c_void_p]
@@ -221,14 +221,23 @@ class CpuKernels:
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("paged_decode needs contiguous K/V caches")
+        tables = _dense_int64(block_tables)
+        lens = _dense_int64(seq_lens)
+        if q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
+            # bf16 in and out, as the fused bf16 layer calls it: the same values as the float32 path's
+            # output rounded to bf16
+            qb = q if q.stride(2) == 1 and q.stride(1) == head_dim else q.contiguous()
+            out = torch.empty((batch, num_heads, head_dim), dtype=torch.bfloat16)
+            self._lib.kvs_paged_decode_bf16_rows(qb.data_ptr(), qb.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                                 tables.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, num_heads,
+                                                 num_kv_heads, head_dim, block_size, tables.shape[1], scale)
+            return out
         # only pointers cross into C, so every buffer must be dense (a float32 q may skip rows: a
         # view into the fused q/k projection is read in place)
         if q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim:
             qf = q
         else:
             qf = q.float().contiguous()
-        tables = _dense_int64(block_tables)
-        lens = _dense_int64(seq_lens)
         out = torch.empty((batch, num_heads, head_dim), dtype=torch.float32)
         common = (qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                   lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,

@@ -369,11 +369,15 @@ static void combine(float *state, const float *other, int64_t num_heads, int64_t
     }
 }
 
-static void finish(const float *state, float *out, int64_t num_heads, int64_t d) {
+/* A sequence's output rows from its state: float32, or (bf16) rounded as kvs_narrow_bf16 rounds. */
+static void finish(const float *state, void *out, int64_t num_heads, int64_t d, int bf16) {
     const float *acc = state, *l = acc + num_heads * d + num_heads;
     for (int64_t i = 0; i < num_heads; i++) {
         float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-        for (int64_t c = 0; c < d; c++) out[i * d + c] = acc[i * d + c] * inv;
+        if (bf16)
+            for (int64_t c = 0; c < d; c++) ((uint16_t *)out)[i * d + c] = to_bf16(acc[i * d + c] * inv);
+        else
+            for (int64_t c = 0; c < d; c++) ((float *)out)[i * d + c] = acc[i * d + c] * inv;
     }
 }
 
@@ -449,13 +453,13 @@ static inline void ahead_pull(KeyAhead *a, int64_t bytes) {
  * sums acc [H][d], then the maxima m [H] and the sums of weights l [H]. */
 static inline int64_t partial_floats(int64_t num_heads, int64_t d) { return num_heads * (d + 2); }
 
-/* Chunks c0 .. c1 - 1 of one sequence (q [H][d] its queries), each from scratch: its keys scored,
- * one softmax, its values; each chunk's partial is combined into `state` in order (the first one
- * is copied). Only the queries of KV heads h0 .. h1 - 1 are computed, and only their parts of
+/* Chunks c0 .. c1 - 1 of one sequence (q [H][d] its queries, float32 or, with q_bf16, bf16), each from
+ * scratch: its keys scored, one softmax, its values; each chunk's partial is combined into `state` in
+ * order (the first one is copied). Only the queries of KV heads h0 .. h1 - 1 are computed, and only their parts of
  * `state` written: each query's sums are its own, so a head's bits do not depend on the range.
  * Prefetches run on across the task's chunks. */
 static inline __attribute__((always_inline)) void decode_chunks(
-    const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, int64_t c0,
+    const void *q, int q_bf16, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, int64_t c0,
     int64_t c1, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, float scale, const RowFormat *format,
     int64_t h0, int64_t h1, float *state, float *work, const int64_t *nx_table, int64_t nx_ctx, int64_t nx_c,
     int64_t *carry, int64_t *streamed, const Owners *owners, const int KIND, const int ALL_HEADS) {
@@ -472,7 +476,10 @@ static inline __attribute__((always_inline)) void decode_chunks(
     vf *part = (vf *)work;    /* [H][VW], 64-byte aligned */
     float *qs = (float *)(part + num_heads * VW), *mine = qs + num_heads * d, *s = mine + partial_floats(num_heads, d);
     float *buf = s + num_heads * stride, *kp = buf + d; /* [d], [Hkv][2d] */
-    for (int64_t i = q0 * d; i < q1 * d; i++) qs[i] = q[i] * scale;
+    if (q_bf16) /* widened here, each task its own rows: the same floats as the layer's widening pass gave */
+        for (int64_t i = q0 * d; i < q1 * d; i++) qs[i] = bf16_to_f32(((const uint16_t *)q)[i]) * scale;
+    else
+        for (int64_t i = q0 * d; i < q1 * d; i++) qs[i] = ((const float *)q)[i] * scale;
     int64_t num_blocks = (ctx + bs - 1) / bs, row_bytes = num_kv_heads * head_row_bytes(f, d);
     int64_t last_block = c1 * per_chunk < num_blocks ? c1 * per_chunk : num_blocks;
     for (int64_t c = c0; c < c1; c++) {
@@ -539,12 +546,12 @@ static inline __attribute__((always_inline)) void decode_chunks(
  * from the format inside the loops, the two paths' rows met in memory, and the value pass's sums
  * with them, even where they would fit the registers. All heads, or the range h0 .. h1 - 1: with
  * the range in the loops, 32 sequences' bf16 steps ran about 1% slower. */
-#define CHUNKS_ARGS const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, \
-    int64_t c0, int64_t c1, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, float scale,         \
+#define CHUNKS_ARGS const void *q, int q_bf16, const void *k_cache, const void *v_cache, const int64_t *table,  \
+    int64_t ctx, int64_t c0, int64_t c1, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, float scale, \
     const RowFormat *f, int64_t h0, int64_t h1, float *state, float *work, const int64_t *nx_table, int64_t nx_ctx, \
     int64_t nx_c, int64_t *carry, int64_t *streamed, const Owners *owners
-#define CHUNKS_PASS q, k_cache, v_cache, table, ctx, c0, c1, num_heads, num_kv_heads, d, bs, scale, f, h0, h1, state, \
-    work, nx_table, nx_ctx, nx_c, carry, streamed, owners
+#define CHUNKS_PASS q, q_bf16, k_cache, v_cache, table, ctx, c0, c1, num_heads, num_kv_heads, d, bs, scale, f, h0, \
+    h1, state, work, nx_table, nx_ctx, nx_c, carry, streamed, owners
 static void chunks_f32(CHUNKS_ARGS) { decode_chunks(CHUNKS_PASS, ROW_F32, 1); }
 static void chunks_bf16(CHUNKS_ARGS) { decode_chunks(CHUNKS_PASS, ROW_BF16, 1); }
 static void chunks_coded(CHUNKS_ARGS) { decode_chunks(CHUNKS_PASS, -1, 1); }
@@ -677,10 +684,11 @@ static void locate(int64_t task, int by_sequence, const int64_t *first, int64_t 
  * 2-core Xeon, decode steps of 1-3 sequences ran 1.6-5.6% faster, 4 even. A thread takes tasks as it
  * comes free (as a dynamic schedule would), but claims its next one as it starts the current one,
  * so that the current one's value passes know whose keys to pull ahead. */
-void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                      const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
+void kvs_dense_decode(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                      const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t batch,
                       int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width, float scale,
-                      const RowFormat *f, int by_sequence) {
+                      const RowFormat *f, int by_sequence, int bf16_io) {
+    size_t q_elem = bf16_io ? 2 : 4, out_row = (size_t)(num_heads * d) * (bf16_io ? 2 : 4);
     int64_t ct = chunk_tokens(num_heads, bs), pf = partial_floats(num_heads, d);
     kvs_decode_set_key_ahead(-1); /* decided before the threads read it */
     int64_t *first = malloc((size_t)(batch + 1) * sizeof *first); /* sequence b's chunks: first[b] .. first[b + 1] */
@@ -713,22 +721,22 @@ void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, con
                 nx_table = block_tables + nb * width;
                 nx_ctx = seq_lens[nb];
             }
-            const float *qb = q + b * q_stride;
+            const char *qb = (const char *)q + b * q_stride * q_elem;
             const int64_t *table = block_tables + b * width;
             if (by_sequence) {
                 int64_t chunks = first[b + 1] - first[b];
                 if (chunks == 0) {
-                    memset(out + b * num_heads * d, 0, (size_t)(num_heads * d) * sizeof(float));
+                    memset((char *)out + b * out_row, 0, out_row);
                 } else {
-                    run(qb, k_cache, v_cache, table, seq_lens[b], 0, chunks, num_heads, num_kv_heads, d, bs, scale,
-                        f, 0, num_kv_heads, state, work, nx_table, nx_ctx, nc, &carry, &streamed, owners);
-                    finish(state, out + b * num_heads * d, num_heads, d);
+                    run(qb, bf16_io, k_cache, v_cache, table, seq_lens[b], 0, chunks, num_heads, num_kv_heads, d, bs,
+                        scale, f, 0, num_kv_heads, state, work, nx_table, nx_ctx, nc, &carry, &streamed, owners);
+                    finish(state, (char *)out + b * out_row, num_heads, d, bf16_io);
                 }
                 if (owners) __atomic_store_n(own.done + b, 1, __ATOMIC_RELAXED);
             } else {
                 int64_t h0 = task % per_chunk, h1 = per_chunk == 1 ? num_kv_heads : h0 + 1;
-                run(qb, k_cache, v_cache, table, seq_lens[b], c, c + 1, num_heads, num_kv_heads, d, bs, scale, f,
-                    h0, h1, partials + task / per_chunk * pf, work, nx_table, nx_ctx, nc, &carry, &streamed, owners);
+                run(qb, bf16_io, k_cache, v_cache, table, seq_lens[b], c, c + 1, num_heads, num_kv_heads, d, bs, scale,
+                    f, h0, h1, partials + task / per_chunk * pf, work, nx_table, nx_ctx, nc, &carry, &streamed, owners);
             }
             task = next;
         }
@@ -736,15 +744,15 @@ void kvs_dense_decode(const float *q, int64_t q_stride, const void *k_cache, con
 #pragma omp barrier
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < batch; b++) {
-                float *o = out + b * num_heads * d;
+                char *o = (char *)out + b * out_row;
                 if (first[b + 1] == first[b]) {
-                    memset(o, 0, (size_t)(num_heads * d) * sizeof(float));
+                    memset(o, 0, out_row);
                     continue;
                 }
                 float *st = partials + first[b] * pf;
                 for (int64_t c = first[b] + 1; c < first[b + 1]; c++)
                     combine(st, partials + c * pf, num_heads, d, 0, num_heads);
-                finish(st, o, num_heads, d);
+                finish(st, o, num_heads, d, bf16_io);
             }
         }
         __atomic_fetch_add(&stream_rows, streamed, __ATOMIC_RELAXED);

@@ -75,6 +75,10 @@ void kvs_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_c
                            const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
                            int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width,
                            float scale);
+void kvs_paged_decode_bf16_rows(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int64_t *block_tables, const int64_t *seq_lens,
+                                uint16_t *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d,
+                                int64_t bs, int64_t width, float scale);
 void kvs_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *w, uint16_t *out, int64_t rows,
                            int64_t n, float eps);
 void kvs_silu_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t rows, int64_t inter);
@@ -108,8 +112,8 @@ typedef struct {
 enum { KV_PLAIN = 0, KV_INT4 = 4 };
 
 /* The slots of kvs_layers_time_stages's array. Quantized K/V rows time their RoPE and write with
- * the decode attention (one call does all three); CONVERT is bf16 rows widened for attention and
- * its output rounded back. */
+ * the decode attention (one call does all three); CONVERT is a bf16 step's prompt rows widened for
+ * the prefill attention and its output rounded back (decode rows go to attention as they are). */
 typedef enum {
     STAGE_QKV, STAGE_ROPE_KV, STAGE_DECODE_ATTENTION, STAGE_PREFILL_ATTENTION, STAGE_O_PROJ, STAGE_NORMS,
     STAGE_GATE_UP, STAGE_SILU, STAGE_DOWN, STAGE_CONVERT, NUM_STAGES
@@ -234,19 +238,25 @@ int kvs_layer_bf16(const LayerWeights *w, const DecodeStep *s, uint16_t *k_cache
     TIMED(STAGE_QKV, gemm_bf16_rows(s, s->x, w->qkv, w->qkv_bias, s->qkv, s->qkv_n, h));
     TIMED(STAGE_ROPE_KV, kvs_rope_write_kv_bf16(s->qkv, t, s->qkv_n, s->num_heads, s->num_kv_heads, s->head_dim,
                                                 s->cos, s->ssin, k_cache, v_cache, s->slots));
-    TIMED(STAGE_CONVERT, kvs_widen_bf16(s->qkv, s->qkv_n, s->wide_in, t, q_size));
-    if (s->num_decodes)
+    /* decode rows go to attention as bf16 (each task widens its own queries and rounds its own
+     * output); the prompt rows after them are widened for the prefill kernel, and its output rounded */
+    int64_t nd = s->num_decodes;
+    const uint16_t *qkv = s->qkv;
+    uint16_t *attn = s->attn;
+    if (t > nd) TIMED(STAGE_CONVERT, kvs_widen_bf16(qkv + nd * s->qkv_n, s->qkv_n, s->wide_in + nd * q_size, t - nd,
+                                                    q_size));
+    if (nd)
         TIMED(STAGE_DECODE_ATTENTION,
-              kvs_paged_decode_bf16(s->wide_in, q_size, k_cache, v_cache, s->block_tables, s->seq_lens, s->wide_out,
-                                    s->num_decodes, s->num_heads, s->num_kv_heads, s->head_dim, s->block_size,
-                                    s->table_width, s->scale));
+              kvs_paged_decode_bf16_rows(qkv, s->qkv_n, k_cache, v_cache, s->block_tables, s->seq_lens, attn, nd,
+                                         s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, s->table_width,
+                                         s->scale));
     if (s->num_prefills)
         TIMED(STAGE_PREFILL_ATTENTION,
               rc = kvs_paged_prefill_bf16(s->wide_in, q_size, k_cache, v_cache, s->pf_tables, s->pf_width,
                                           s->pf_starts, s->pf_counts, s->pf_ctxs, s->num_prefills, s->wide_out, q_size,
                                           s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, s->scale));
     if (rc) return -2;
-    TIMED(STAGE_CONVERT, kvs_narrow_bf16(s->wide_out, s->attn, t * q_size));
+    if (t > nd) TIMED(STAGE_CONVERT, kvs_narrow_bf16(s->wide_out + nd * q_size, attn + nd * q_size, (t - nd) * q_size));
     TIMED(STAGE_O_PROJ, gemm_bf16_rows(s, s->attn, w->o_proj, NULL, s->o, h, q_size));
     TIMED(STAGE_NORMS, kvs_add_rms_norm_bf16(s->o, s->residual, w->post_norm, s->x, t, h, s->eps));
     if (!kvs_amx_active() && kvs_gemm_silu_fuses(t, s->inter)) { /* as in float32, the weights paired or widened */
