@@ -23,17 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstrata.worker.gemm_tuning import GemmTuning, _switch_env
 from kvstrata.worker.kernel_build import build, find_compiler
+from kvstrata.worker.kernel_signatures import declare
 
 log = logging.getLogger(__name__)
-
-
-def _switch_env(name: str) -> bool | None:
-    """An on/off environment variable: None where unset, else 0 or 1 (anything else is an error naming it)."""
-    value = os.environ.get(name)
-    if value is not None and value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, not {value!r}")
-    return None if value is None else value == "1"
 
 
 # the fused layers' stages that time_layer_stages times, in csrc/layer.c's order (its Stage enum)
@@ -41,160 +35,29 @@ LAYER_STAGES = ("qkv", "rope_kv", "decode_attention", "prefill_attention", "o_pr
                 "down", "convert")
 
 
-class CpuKernels:
+class CpuKernels(GemmTuning):
     def __init__(self, lib: ctypes.CDLL):
+        declare(lib)  # every entry point's argument and result types (kernel_signatures.py)
         self._lib = lib
-        args = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float]
-        for fn in (lib.kvs_paged_decode_f32, lib.kvs_paged_decode_bf16, lib.kvs_paged_decode_bf16_rows):
-            fn.argtypes = args
-            fn.restype = None
-        lib.kvs_paged_decode_codes.argtypes = args + [ctypes.c_void_p]
-        lib.kvs_paged_decode_codes.restype = None
-        lib.kvs_paged_decode_int4.argtypes = args + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-        lib.kvs_paged_decode_int4.restype = None
-        for fn in (lib.kvs_gemm_f32, lib.kvs_gemm_bf16):
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-            fn.restype = None
-        lib.kvs_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
-        lib.kvs_pack.restype = None
-        lib.kvs_packed_elems.argtypes = [ctypes.c_int64] * 3
-        lib.kvs_packed_elems.restype = ctypes.c_int64
-        lib.kvs_amx_enable.argtypes = []
-        lib.kvs_amx_enable.restype = ctypes.c_int
-        lib.kvs_amx_gemm.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
-                                     + [ctypes.c_int64] * 3)
-        lib.kvs_amx_gemm.restype = None
+        self.layers = lib.kvs_layers  # a step's layers in one call (csrc/layer.c)
+        if lib.kvs_layers_num_stages() != len(LAYER_STAGES):
+            raise RuntimeError(f"csrc/layer.c times {lib.kvs_layers_num_stages()} stages, "
+                               f"LAYER_STAGES names {len(LAYER_STAGES)}")
         # bf16 weights on AMX tiles where the CPU and the kernel allow them (csrc/amx_gemm.c); asked
         # once, before anything is packed, since the packed layout follows
         self.amx = os.environ.get("KVSTRATA_AMX", "1") != "0" and bool(lib.kvs_amx_enable())
         # without tiles, bf16 weights in pairs for the CPU's bf16 dot products where it has them
         # (csrc/gemm.c); likewise chosen before anything is packed
-        lib.kvs_bf16_dot_enable.argtypes = [ctypes.c_int]
-        lib.kvs_bf16_dot_enable.restype = ctypes.c_int
-        lib.kvs_gemm_bf16x.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
-                                       + [ctypes.c_int64] * 3)
-        lib.kvs_gemm_bf16x.restype = None
         self.bf16_dot = (not self.amx and os.environ.get("KVSTRATA_BF16_DOT", "1") != "0"
                          and bool(lib.kvs_bf16_dot_enable(1)))
-        lib.kvs_gemm_group.argtypes = []
-        lib.kvs_gemm_group.restype = ctypes.c_int64
         self.gemm_group = lib.kvs_gemm_group()  # output columns per packed group: NR in csrc/gemm.c
-        lib.kvs_gemm_set_prefetch_rows.argtypes = [ctypes.c_int64]
-        lib.kvs_gemm_set_prefetch_rows.restype = None
-        lib.kvs_gemm_set_turns.argtypes = [ctypes.c_int]  # float32 tiles in turns on/off (csrc/gemm.c's TURN_K)
-        lib.kvs_gemm_set_turns.restype = None
-        lib.kvs_gemm_set_row_panels.argtypes = [ctypes.c_int]  # tasks group by group within panels of rows, or not
-        lib.kvs_gemm_set_row_panels.restype = None
-        lib.kvs_gemm_set_two_groups.argtypes = [ctypes.c_int]  # one row, two groups at a time, where built
-        lib.kvs_gemm_set_two_groups.restype = ctypes.c_int
-        lib.kvs_gemm_set_wide_copy.argtypes = [ctypes.c_int]  # widened bf16 through a float32 copy a group
-        lib.kvs_gemm_set_wide_copy.restype = ctypes.c_int
         # decode attention's value passes pull the next chunk's keys ahead (csrc/dense_decode.c): on
         # by default except on Intel CPUs; KVSTRATA_DECODE_KEY_AHEAD=0 or 1 sets it
-        lib.kvs_decode_set_key_ahead.argtypes = [ctypes.c_int]
-        lib.kvs_decode_set_key_ahead.restype = ctypes.c_int
         ahead = _switch_env("KVSTRATA_DECODE_KEY_AHEAD")
         if ahead is not None:
             lib.kvs_decode_set_key_ahead(int(ahead))
         self.key_ahead = bool(lib.kvs_decode_set_key_ahead(-1))  # -1 leaves it, returning it
-        # a block several sequences share is prefetched by the first of them only (tests, benchmarks)
-        lib.kvs_decode_set_shared_owners.argtypes = [ctypes.c_int]
-        lib.kvs_decode_set_shared_owners.restype = ctypes.c_int
-        lib.kvs_decode_stream_rows.argtypes = []  # rows float32 decodes streamed since the last call (tests)
-        lib.kvs_decode_stream_rows.restype = ctypes.c_int64
-        lib.kvs_prefill_set_pairs.argtypes = [ctypes.c_int]  # prefill attention tiles in pairs on/off
-        lib.kvs_prefill_set_pairs.restype = ctypes.c_int
-        lib.kvs_prefill_pair_tiles.argtypes = []
-        lib.kvs_prefill_pair_tiles.restype = ctypes.c_int64
-        self.prefetch_rows: int | None = None  # set by tune_prefetch (the C default, 6, until then)
-        self.turns: bool | None = None  # set by tune_turns (the C default, on with AVX-512, until then)
-        self.two_groups: bool | None = None  # set by tune_two_groups (the C default, on where built, until then)
-        self.wide_copy: bool | None = None  # set by tune_wide_copy (the C default, on, until then)
-        self.short_panels: bool | None = None  # set by tune_short_panels (the C default, off, until then)
-        lib.kvs_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-        lib.kvs_add_rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-        lib.kvs_rms_norm_f32.restype = lib.kvs_add_rms_norm_f32.restype = None
-        lib.kvs_rms_norm_bf16.argtypes = lib.kvs_rms_norm_f32.argtypes
-        lib.kvs_add_rms_norm_bf16.argtypes = lib.kvs_add_rms_norm_f32.argtypes
-        lib.kvs_rms_norm_bf16.restype = lib.kvs_add_rms_norm_bf16.restype = None
-        for fn in (lib.kvs_rope_write_kv_f32, lib.kvs_rope_write_kv_bf16):
-            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 5
-            fn.restype = None
-        for fn in (lib.kvs_silu_mul_f32, lib.kvs_silu_mul_bf16):
-            fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-            fn.restype = None
-        # an MLP's gate_up product with its SiLU in one pass (csrc/gemm.c): x, the packed weight, a
-        # scratch [M, 2I] for the cases it runs as two, act; M, I, K
-        lib.kvs_gemm_f32_silu.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-        lib.kvs_gemm_f32_silu.restype = None
-        lib.kvs_gemm_bf16x_silu.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
-                                            + [ctypes.c_int64] * 3)  # bf16 x (row stride), weight, scratch, act
-        lib.kvs_gemm_bf16x_silu.restype = None
-        lib.kvs_gemm_set_fused_silu.argtypes = [ctypes.c_int]  # tests and benchmarks: the two passes instead
-        lib.kvs_gemm_set_fused_silu.restype = ctypes.c_int
-        # a step's layers in one call (csrc/layer.c, driven by fused_decode.py): the LayerWeights array
-        # and its length, the DecodeStep, layer 0's K cache, the bytes from one layer's cache to the
-        # next and from K to V, bf16 or not, and where to write the layer that failed
-        lib.kvs_layers.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-                                   + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_void_p])
-        lib.kvs_layers.restype = ctypes.c_int
-        self.layers = lib.kvs_layers  # a step's layers in one call (csrc/layer.c)
-        lib.kvs_layers_time_stages.argtypes = [ctypes.c_void_p]
-        lib.kvs_layers_time_stages.restype = None
-        lib.kvs_layers_num_stages.restype = ctypes.c_int
-        if lib.kvs_layers_num_stages() != len(LAYER_STAGES):
-            raise RuntimeError(f"csrc/layer.c times {lib.kvs_layers_num_stages()} stages, "
-                               f"LAYER_STAGES names {len(LAYER_STAGES)}")
-        lib.kvs_paged_prefill_takes.argtypes = [ctypes.c_int64] * 4
-        lib.kvs_paged_prefill_takes.restype = ctypes.c_int
-        lib.kvs_paged_prefill_f32.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
-                                              + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
-                                              + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float])
-        lib.kvs_paged_prefill_f32.restype = ctypes.c_int
-        lib.kvs_paged_prefill_bf16.argtypes = lib.kvs_paged_prefill_f32.argtypes
-        lib.kvs_paged_prefill_bf16.restype = ctypes.c_int
-        lib.kvs_paged_prefill_quantized.argtypes = lib.kvs_paged_prefill_f32.argtypes + [ctypes.c_void_p,
-                                                                                           ctypes.c_int64,
-                                                                                           ctypes.c_int64]
-        lib.kvs_paged_prefill_quantized.restype = ctypes.c_int
-        lib.kvs_copy_blocks.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 8
-        lib.kvs_copy_blocks.restype = None
-        lib.kvs_crc32.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int64]
-        lib.kvs_copy_crc32.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-        lib.kvs_crc32.restype = lib.kvs_copy_crc32.restype = ctypes.c_uint32
-        lib.kvs_stage_slot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p] + [ctypes.c_int64] * 2 + [
-            ctypes.c_void_p, ctypes.c_int64]
-        lib.kvs_stage_slot.restype = ctypes.c_uint32
-        lib.kvs_argmax_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-        lib.kvs_argmax_f32.restype = ctypes.c_int64
-        lib.kvs_sample_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 7
-        lib.kvs_sample_f32.restype = ctypes.c_int64
-        lib.kvs_sample_scratch_bytes.argtypes = [ctypes.c_int64]
-        lib.kvs_sample_scratch_bytes.restype = ctypes.c_int64
         self._sample_scratch = threading.local()  # kvs_sample_f32's room, kept between calls, one per thread
-        rows = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # x, its stride, slots, tokens
-        lib.kvs_int4_write_keys.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + rows + [ctypes.c_void_p,
-                                                                                               ctypes.c_int]
-        lib.kvs_int4_write_keys.restype = ctypes.c_int
-        lib.kvs_int4_write_values.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + rows + [ctypes.c_void_p]
-        lib.kvs_codes_write.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + rows + [ctypes.c_int, ctypes.c_float]
-        lib.kvs_int4_write_values.restype = lib.kvs_codes_write.restype = None
-        lib.kvs_io_pool_new.argtypes = [ctypes.c_int, ctypes.c_int64]  # the NVMe tier's IO threads (csrc/io_pool.c)
-        lib.kvs_io_pool_new.restype = ctypes.c_void_p
-        for f in (lib.kvs_io_pool_short_slice_threads, lib.kvs_io_pool_close, lib.kvs_io_pool_free):
-            f.argtypes = [ctypes.c_void_p]
-        lib.kvs_io_pool_short_slice_threads.restype = ctypes.c_int
-        lib.kvs_io_pool_close.restype = lib.kvs_io_pool_free.restype = None
-        lib.kvs_io_submit.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
-                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_int64, ctypes.c_int64]
-        lib.kvs_io_submit.restype = ctypes.c_int
-        lib.kvs_io_reap.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_double]
-        lib.kvs_io_reap.restype = ctypes.c_int
-        lib.kvs_io_pool_busy_seconds.argtypes = [ctypes.c_void_p, ctypes.c_int]
-        lib.kvs_io_pool_busy_seconds.restype = ctypes.c_double
-        lib.kvs_crc32_fast.argtypes = []
-        lib.kvs_crc32_fast.restype = ctypes.c_int
         # whether crc32 beats zlib's here (carry-less multiplies); without, the same values, slower
         self.crc32_fast = bool(lib.kvs_crc32_fast())
 
@@ -380,154 +243,6 @@ class CpuKernels:
         if x.dtype != torch.float32:
             y = y.to(x.dtype)
         return y.float() if to_float else y
-
-
-    def tune_prefetch(self, weights: list[PackedWeight], rounds: int = 5) -> int:
-        """The fewest rows from which the packed GEMM prefetches its weights, 2 or 6, chosen once per
-        process by timing a pass over `weights` (a model's projections, larger than the caches) at
-        4 rows both ways, alternating: the faster median wins (see csrc/gemm.c: it depends on the
-        host). KVSTRATA_GEMM_PREFETCH_ROWS sets it without timing. Same results either way:
-        prefetches change when bytes arrive, not the sums."""
-        if self.prefetch_rows is not None:
-            return self.prefetch_rows
-        env = os.environ.get("KVSTRATA_GEMM_PREFETCH_ROWS")
-        if env is not None:
-            if not env.isdigit() or int(env) < 2:
-                raise ValueError(f"KVSTRATA_GEMM_PREFETCH_ROWS must be an integer >= 2, not {env!r}")
-            chosen = int(env)
-        elif not weights:
-            chosen = 6
-        else:
-            t = self._time_passes(weights, 4, self._lib.kvs_gemm_set_prefetch_rows, (2, 6), rounds)
-            chosen = 2 if t[2] < t[6] else 6
-            log.info("packed GEMM at 4 rows: %.1f ms prefetching, %.1f ms without; prefetching from %d rows",
-                     t[2] * 1e3, t[6] * 1e3, chosen)
-        self._lib.kvs_gemm_set_prefetch_rows(chosen)
-        self.prefetch_rows = chosen
-        return chosen
-
-    def tune_turns(self, weights: list[PackedWeight], rounds: int = 5) -> bool:
-        """Whether float32 blocks of 2-4 row tiles take turns on each group (csrc/gemm.c's TURN_K),
-        chosen once per process by timing a pass over `weights` (a model's float32 projections,
-        larger than the caches) at 16 rows both ways, alternating: the faster median wins. It depends
-        on the host: on a 2-core Xeon with AMX, turns made such products 1.08-1.18x faster at 12-24
-        rows; on a 2-core Zen 4 EPYC, whole decode steps at 16-32 rows 1.10-1.19x slower. Builds
-        without AVX-512 keep them off without timing (on a Zen 3 EPYC with AVX2, steps of 12 and 16
-        sequences 1.19x and 1.42x slower with them). KVSTRATA_GEMM_TURNS=0 or 1 sets it without
-        timing. Same results either way: the same multiply-adds in the same order."""
-        if self.turns is not None:
-            return self.turns
-        applies = self.gemm_group == 48 and bool(weights) and weights[0].data.dtype == torch.float32
-        chosen = self._timed_switch("KVSTRATA_GEMM_TURNS", applies, weights, 16, self._lib.kvs_gemm_set_turns,
-                                    "in turns", rounds)
-        self._lib.kvs_gemm_set_turns(int(chosen))
-        self.turns = chosen
-        return chosen
-
-    def tune_two_groups(self, weights: list[PackedWeight], rounds: int = 5) -> bool:
-        """Whether one row (a decode step at batch 1) against float32 or widened bf16 weights takes two
-        packed groups at a time in an AVX2 build (csrc/gemm.c's gemv_*_two_groups: six sums a step
-        instead of three; for bf16, 256-bit unpacks instead of 128-bit halves), chosen once per process
-        by timing a pass over `weights` (a model's projections) at one row both ways, alternating. On
-        a 2-core Zen 3 EPYC two groups read a SmolLM2 step's weights from memory 1.13-1.15x faster in
-        bf16 and 1.02-1.19x in float32 (more while the memory is fast), and four layers' from cache
-        1.3-1.5x; the bf16 halves were written for cores with 128-bit vector units (Zen 1), where two
-        groups are not measured. Builds without the path (AVX-512, or no AVX2), and bf16 weights on
-        AMX tiles or dot products, keep it off without timing. KVSTRATA_GEMM_TWO_GROUPS=0 or 1 sets
-        it without timing. Same results either way: each column's sum is the same chain of
-        multiply-adds."""
-        if self.two_groups is not None:
-            return self.two_groups
-        applies = (bool(self._lib.kvs_gemm_set_two_groups(1)) and bool(weights)
-                   and not (weights[0].data.dtype == torch.bfloat16 and (self.amx or self.bf16_dot)))
-        chosen = self._timed_switch("KVSTRATA_GEMM_TWO_GROUPS", applies, weights, 1,
-                                    self._lib.kvs_gemm_set_two_groups, "two groups at a time", rounds)
-        self.two_groups = bool(self._lib.kvs_gemm_set_two_groups(int(chosen)))
-        return self.two_groups
-
-    def tune_wide_copy(self, weights: list[PackedWeight], rounds: int = 5, joined: list[PackedWeight] = ()) -> bool:
-        """Whether blocks of 4 row tiles or more against widened bf16 weights (no AMX tiles or bf16
-        dot products) multiply a float32 copy of each group, widened once per block (csrc/gemm.c's
-        WIDE_MIN_TILES), or widen the weights in every tile, chosen once per process by timing a
-        pass over `weights` (a model's bf16 projections) at 4 tiles' rows both ways, alternating.
-        The copy paid on a Zen 1 EPYC (128-bit vector units: 1.08-1.20x at 16-64 rows); on a Zen 3
-        EPYC, whose AVX2 tiles widen with unpacks, it cost 1.19-1.23x at 16 rows. float32 weights
-        and bf16 on tiles or dot products keep it as it is without timing.
-        KVSTRATA_GEMM_WIDE_COPY=0 or 1 sets it without timing. Same results either way: the same
-        multiply-adds of the same values in the same order. joined: those of `weights` that the model
-        multiplies with its SiLU in the same pass (gate_up), timed so (gemm_silu): on a 2-core Zen 4
-        EPYC without AVX-512, plain products at 16 rows ran even both ways, while batch-32 bf16 steps
-        with the joined pass took 84.3 ms with the copy and 81.0 without."""
-        if self.wide_copy is not None:
-            return self.wide_copy
-        env = "KVSTRATA_GEMM_WIDE_COPY"
-        applies = bool(weights) and weights[0].data.dtype == torch.bfloat16 and not (self.amx or self.bf16_dot)
-        if not applies and _switch_env(env) is None:
-            chosen = True  # untimed: the C default stays
-        else:
-            tile_rows = 8 if self.gemm_group == 48 else 4
-            chosen = self._timed_switch(env, applies, weights, 4 * tile_rows, self._lib.kvs_gemm_set_wide_copy,
-                                        "with a widened copy", rounds, joined)
-        self.wide_copy = bool(self._lib.kvs_gemm_set_wide_copy(int(chosen)))
-        return self.wide_copy
-
-    def tune_short_panels(self, weights: list[PackedWeight], rounds: int = 3, joined: list[PackedWeight] = ()) -> bool:
-        """Whether only a short last block of rows (32 or fewer) shares a panel, with the block before
-        it, while the other blocks run block by block (csrc/gemm.c's tasks), or the row blocks of a
-        prompt chunk share panels of as many as half the L2 holds, chosen once per process by timing
-        a pass over the first eight of `weights` (a model's projections) at 256 rows both ways,
-        alternating. On a 2-core Xeon with AMX the panels made prompt chunks' float32 products
-        1.05-1.13x faster; on a 2-core Zen 4 EPYC without AVX-512 they ran 1.08-1.17x slower from 196
-        to 512 rows, and only a short last block gained from them (1.13-1.52x at 66-130 rows). bf16
-        weights on AMX tiles (which do not run these tasks) keep the panels without timing.
-        KVSTRATA_GEMM_SHORT_PANELS=0 or 1 sets it without timing. Same results either way: the same
-        tiles in another order. joined: as for tune_wide_copy (a model's gate_up, timed with its SiLU)."""
-        if self.short_panels is not None:
-            return self.short_panels
-        applies = bool(weights) and not (weights[0].data.dtype == torch.bfloat16 and self.amx)
-        chosen = self._timed_switch("KVSTRATA_GEMM_SHORT_PANELS", applies, weights[:8], 256,
-                                    lambda on: self._lib.kvs_gemm_set_row_panels(2 if on else 1),
-                                    "with panels for a short last block only", rounds, joined)
-        self._lib.kvs_gemm_set_row_panels(2 if chosen else 1)
-        self.short_panels = chosen
-        return chosen
-
-    def _timed_switch(self, env: str, applies: bool, weights: list[PackedWeight], rows: int, set_option,
-                      what: str, rounds: int, joined: list[PackedWeight] = ()) -> bool:
-        """An on/off choice of the packed GEMM: `env` (0 or 1) where set, else off where it does not
-        apply, else whichever way a pass over `weights` at `rows` rows ran faster (_time_passes)."""
-        value = _switch_env(env)
-        if value is not None:
-            return value
-        if not applies:
-            return False
-        t = self._time_passes(weights, rows, set_option, (1, 0), rounds, joined)
-        chosen = t[1] < t[0]
-        log.info("packed GEMM at %d rows: %.1f ms %s, %.1f ms without; %s", rows, t[1] * 1e3, what, t[0] * 1e3,
-                 "on" if chosen else "off")
-        return chosen
-
-    def _time_passes(self, weights: list[PackedWeight], rows: int, set_option, options: tuple[int, int],
-                     rounds: int, joined: list[PackedWeight] = ()) -> dict[int, float]:
-        """Median seconds of a pass over `weights` at `rows` rows under each of two options, set
-        through `set_option`, alternating so that both see the host alike; the first round only brings
-        everything to the same state. Those in `joined` go through gemm_silu, as a model's gate_up."""
-        import time
-
-        k = max(w.k for w in weights)
-        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(0)).to(weights[0].data.dtype)
-        xs = [x[:, : w.k].contiguous() for w in weights]
-        with_silu = [any(w is j for j in joined) for w in weights]
-        times: dict[int, list[float]] = {o: [] for o in options}
-        for r in range(rounds + 1):
-            for option in (options if r % 2 else options[::-1]):
-                set_option(option)
-                t0 = time.perf_counter()
-                for xi, w, silu in zip(xs, weights, with_silu):
-                    self.gemm_silu(xi, w) if silu else self.gemm(xi, w, None)
-                if r:
-                    times[option].append(time.perf_counter() - t0)
-        return {o: sorted(ts)[len(ts) // 2] for o, ts in times.items()}
 
     def copy_blocks(self, src: torch.Tensor, src_dim: int, src_ids: list[int], dst: torch.Tensor, dst_dim: int,
                     dst_ids: list[int], streaming: bool = False) -> None:
