@@ -24,7 +24,7 @@ _SOURCES = [Path(__file__).parent / "csrc" / name
                          "norm.c", "rope.c", "layer.c", "block_copy.c", "crc32.c", "argmax.c", "bf16_ops.c",
                          "amx_gemm.c", "io_pool.c", "sample.c", "greedy_head.c")]
 # part of the build's identity, not compiled alone
-_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vec.h", "kv_rows.h")]
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vec.h", "kv_rows.h", "thread_slot.h")]
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-shared", "-fPIC"]
 

@@ -27,12 +27,12 @@
  * by the first of them only (see Owners).
  */
 #include <omp.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kv_rows.h"
+#include "thread_slot.h"
 
 #define MAX_DV (128 / VW) /* vectors of a row at the largest head size */
 #define GMAX 4            /* queries of one head whose value sums stay in registers at once (d = 64) */
@@ -593,10 +593,6 @@ typedef struct {
     int64_t ids, batch;
 } OwnersBuf;
 
-static pthread_key_t owners_key;
-static int owners_key_ok;
-static pthread_once_t owners_once = PTHREAD_ONCE_INIT;
-
 static void free_owners_buf(void *p) {
     OwnersBuf *o = p;
     free(o->first);
@@ -604,20 +600,12 @@ static void free_owners_buf(void *p) {
     free(o);
 }
 
-static void make_owners_key(void) { owners_key_ok = pthread_key_create(&owners_key, free_owners_buf) == 0; }
+THREAD_SLOT(owners_buf, OwnersBuf, free_owners_buf)
 
 /* The calling thread's buffers with room for ids block ids and batch sequences, or NULL. */
 static OwnersBuf *owners_room(int64_t ids, int64_t batch) {
-    pthread_once(&owners_once, make_owners_key);
-    if (!owners_key_ok) return NULL;
-    OwnersBuf *o = pthread_getspecific(owners_key);
-    if (!o) {
-        if (!(o = calloc(1, sizeof *o))) return NULL;
-        if (pthread_setspecific(owners_key, o) != 0) {
-            free(o);
-            return NULL;
-        }
-    }
+    OwnersBuf *o = owners_buf_get();
+    if (!o) return NULL;
     if (ids > o->ids) {
         int32_t *p = realloc(o->first, (size_t)ids * sizeof *p);
         if (!p) return NULL;

@@ -44,9 +44,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#include <pthread.h>
 #include <unistd.h>
 
+#include "thread_slot.h"
 #include "vec.h"
 
 /* The tile follows the vector registers the build has. With AVX-512 (32 registers of 16 floats):
@@ -421,32 +421,19 @@ typedef struct {
     float *data;
 } WideCopy;
 
-static pthread_key_t wide_key;
-static int wide_key_ok;
-static pthread_once_t wide_once = PTHREAD_ONCE_INIT;
-
 static void free_wide_copy(void *p) {
     WideCopy *c = p;
     free(c->data);
     free(c);
 }
 
-static void make_wide_key(void) { wide_key_ok = pthread_key_create(&wide_key, free_wide_copy) == 0; }
+THREAD_SLOT(wide_copy, WideCopy, free_wide_copy)
 
 /* The calling thread's copy, kept for its next call (as large as the largest k it met) and freed
  * when the thread exits: a thread that calls in and goes away leaves nothing behind. */
 static const float *widened_group(const uint16_t *wp, int64_t g, int64_t k) {
-    pthread_once(&wide_once, make_wide_key);
-    if (!wide_key_ok) return NULL;
-    WideCopy *c = pthread_getspecific(wide_key);
-    if (c == NULL) {
-        c = calloc(1, sizeof *c);
-        if (c == NULL) return NULL;
-        if (pthread_setspecific(wide_key, c) != 0) {
-            free(c);
-            return NULL;
-        }
-    }
+    WideCopy *c = wide_copy_get();
+    if (c == NULL) return NULL;
     int64_t elems = k * NR;
     if (c->capacity < elems) {
         free(c->data);
