@@ -10,7 +10,7 @@ its share of the queue (an even split among the IO threads, at most 4 MB), gives
 slots and is later evicted in slot order) and writes each run of adjacent slots in one pwrite,
 taking shares until the queue is empty; a batch of reads sorts its slots and reads each run in one
 preadv (slot_io.py moves the bytes; this module keeps the index and which slot is free, written or
-read). Blocks thus move in large IOs, four IO threads keeping four in flight (on one disk measured,
+read, and nvme_writes.py and nvme_reads.py hold the two paths). Blocks thus move in large IOs, four IO threads keeping four in flight (on one disk measured,
 four threads moved 0.74 MB blocks 1.5-1.7x faster into new space, 1.2x into reused slots and
 1.1-1.4x on reads than two; on another, 3.7 MB IOs from four threads wrote 1.2x faster than
 0.74 MB ones). Every read checks the header, the block's identity, the layout and
@@ -29,7 +29,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -46,9 +46,11 @@ from kvstrata.tiering.disk_io import (
 )
 from kvstrata.tiering.io_pool import nvme_pool
 from kvstrata.tiering.nvme_index import BlockIndex, IndexEntry
+from kvstrata.tiering.nvme_reads import NvmeReads
+from kvstrata.tiering.nvme_writes import NvmeWrites, PendingWrite
 from kvstrata.tiering.slab import SLAB_BYTES, SlabFiles, SlabGeometry
 from kvstrata.tiering.slab_scan import check_disk, rebuild
-from kvstrata.tiering.slot_io import ReadBuffers, SlotIO, SlotWrite
+from kvstrata.tiering.slot_io import ReadBuffers, SlotIO
 from kvstrata.tiering.slot_stage import StagedCopies
 from kvstrata.tiering.slots import SlotTable
 
@@ -62,19 +64,6 @@ READ_RUN_BYTES = 1 << 20
 READ_BUFFER_BYTES = 256 << 20  # read buffers (an arena on huge pages, slot_io.ReadBuffers) kept for reuse
 PREFAULT_READ_BYTES = 64 << 20  # of those, faulted in at open: about what loads have out at once
 STAGED_BUFFER_BYTES = 64 << 20  # write buffers that blocks leaving DRAM are staged in (slot_stage.py)
-
-
-@dataclass(slots=True, eq=False)
-class _PendingWrite:
-    block_hash: bytes
-    parent_hash: bytes | None
-    data: torch.Tensor
-    staged: torch.Tensor | None = None  # the write buffer `data` was staged in (slot_stage.py)
-    future: Future = field(default_factory=Future)
-    tick: int = 0  # the block's recency in the index, taken with its slot
-
-
-_ToRead = tuple[int, bytes, IndexEntry]  # (place in the answer, block, its entry when asked)
 
 
 @dataclass(slots=True)
@@ -96,13 +85,7 @@ class _Counters:
     write_seconds: float = 0.0
 
 
-def _done(value) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
-
-
-class NvmeTier:
+class NvmeTier(NvmeWrites, NvmeReads):
     """Slab files of block slots with an LRU, leaf-first index; capacity_bytes // slot_bytes slots.
 
     Threading: the caller's threads run put/get/discard, which touch the index (and discard erases
@@ -162,8 +145,8 @@ class NvmeTier:
         # eviction or as bad data; the KV events of the shared index hang here
         self.on_evict: Callable[[list[bytes]], None] | None = None
         self._index = BlockIndex()
-        self._pending: dict[bytes, _PendingWrite] = {}
-        self._queue: deque[_PendingWrite] = deque()  # puts not yet taken by an IO thread, oldest first
+        self._pending: dict[bytes, PendingWrite] = {}
+        self._queue: deque[PendingWrite] = deque()  # puts not yet taken by an IO thread, oldest first
         self._writes_in_flight: set[Future] = set()
         self._next_seq = 0
         self._counters = _Counters()
@@ -259,93 +242,7 @@ class NvmeTier:
                     "read_busy_seconds": self._read_clock.seconds,
                     "write_busy_seconds": self._write_clock.seconds}
 
-    # -- writes ------------------------------------------------------------------------------
-    def put(self, block_hash: bytes, parent_hash: bytes | None, data: torch.Tensor) -> Future:
-        """Store a block on the IO threads; the future resolves to True once it is in the index.
-
-        False means not stored: no slot at all, none free and nothing evictable, an IO error, or
-        discarded before the write finished. `data` is kept, not copied, until then (with the C IO
-        threads, a block not staged by staged_copy is staged, so copied, here). Putting a
-        stored block only refreshes its recency; putting one whose write is in flight returns
-        that write's future.
-        """
-        return self.put_many([(block_hash, parent_hash, data)])[0]
-
-    def put_many(self, blocks: list[tuple[bytes, bytes | None, torch.Tensor | None]]) -> list[Future]:
-        """put for each (block_hash, parent_hash, data), queued together: the IO threads then share
-        the burst out, each writing its share's adjacent slots in one pwritev. Every item is checked
-        before any is queued. data None only refreshes a block the tier holds (its future: False
-        where the tier does not hold it, or the write in flight where one is)."""
-        for block_hash, parent_hash, data in blocks:
-            self._check_hash(block_hash, "block_hash")
-            if parent_hash is not None:
-                self._check_hash(parent_hash, "parent_hash")
-                if parent_hash == block_hash:
-                    raise ValueError("parent_hash must differ from block_hash")
-            if data is not None:
-                self._check_data(data)
-        staged = [None if data is None else self._claim_or_stage(data) for _, _, data in blocks]
-        futures = []
-        queued = 0
-        with self._lock:
-            try:
-                self._check_open()
-            except BaseException:
-                self._staged.give([buf for buf in staged if buf is not None])
-                raise
-            for (block_hash, parent_hash, data), buf in zip(blocks, staged):
-                entry = self._index.get(block_hash)
-                pending = self._pending.get(block_hash)
-                if entry is not None or pending is not None or self.geometry.num_slots == 0:
-                    if buf is not None:
-                        self._staged.give([buf])
-                    if entry is not None:
-                        self._index.touch(block_hash, entry)
-                        futures.append(_done(True))
-                    else:
-                        futures.append(pending.future if pending is not None else _done(False))
-                    continue
-                if data is None:  # a refresh of a block the tier no longer holds: nothing to write
-                    futures.append(_done(False))
-                    continue
-                if self._pool is not None:  # the payload in its write buffer (_claim_or_stage)
-                    data = self._staged.payload(buf, data)
-                pending = _PendingWrite(block_hash, parent_hash, data, buf)
-                self._pending[block_hash] = pending
-                self._queue.append(pending)
-                self._writes_in_flight.add(pending.future)
-                futures.append(pending.future)
-                queued += 1
-            # each call takes its share of the queue until it is empty (_write_queued)
-            for _ in range(min(queued, self.num_io_threads) if self._pool is None else 0):
-                self._executor.submit(self._write_queued)
-        if self._pool is not None and queued:
-            self._submit_queued()
-        return futures
-
-    def _claim_or_stage(self, data: torch.Tensor) -> torch.Tensor | None:
-        """The write buffer data was staged in (staged_copy); with C IO, a block not staged yet is
-        staged here, since the C threads write only from write buffers."""
-        buf = self._staged.claim(data)
-        if buf is None and self._pool is not None:
-            buf = self._staged.claim(self._staged.copy(data.contiguous()))
-        return buf
-
-    def staged_copy(self, block: torch.Tensor) -> torch.Tensor:
-        """A copy of a block about to be put, staged for its write where it can be (slot_stage.py):
-        the copy a tier above makes of a block it evicts. Put it, or hand it to release_staged."""
-        self._check_data(block)
-        return self._staged.copy(block)
-
-    def release_staged(self, data: torch.Tensor | None) -> None:
-        """A staged copy that will not be put after all."""
-        self._staged.release(data)
-
-    @property
-    def num_staged(self) -> int:
-        """Staged copies neither put nor released yet."""
-        return len(self._staged)
-
+    # -- dropping, flushing and closing ----------------------------------------------------
     def discard(self, block_hash: bytes) -> bool:
         """Drop a block (and any write of it in flight); False if the tier did not have it. The
         slot is erased here, or by the last read of it still running, before it is reused."""
@@ -391,329 +288,6 @@ class NvmeTier:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # -- reads -------------------------------------------------------------------------------
-    def get(self, block_hash: bytes) -> Future:
-        """The block's tensor, or None for a miss (absent, or a bad slot, which is then dropped)."""
-        with self._lock:
-            self._check_open()
-            found = self._begin_read(block_hash)
-            if isinstance(found, IndexEntry):
-                return self._executor.submit(self._read_one, block_hash, found)
-        return _done(found)
-
-    def _read_one(self, block_hash: bytes, entry: IndexEntry) -> torch.Tensor | None:
-        out = [None]
-        self._read_sorted([(0, block_hash, entry)], out, touch=True)
-        return out[0]
-
-    def get_many(self, hashes: list[bytes]) -> Future:
-        """Like get for each hash. The disk reads go in slot order, each run of adjacent slots in one
-        preadv: with C IO, each run queued here on the IO pool and checked on its reaper; else split
-        into one share per Python IO thread, each run checked on a checker thread while the IO
-        thread reads its next."""
-        out: list[torch.Tensor | None] = [None] * len(hashes)
-        to_read: list[tuple[int, bytes, IndexEntry]] = []
-        with self._lock:
-            self._check_open()
-            for i, block_hash in enumerate(hashes):
-                found = self._begin_read(block_hash)
-                if isinstance(found, IndexEntry):
-                    to_read.append((i, block_hash, found))
-                else:
-                    out[i] = found
-            ordered = sorted(to_read, key=lambda r: r[2].slot)
-            futures = []
-            if self._pool is None:
-                share = self._even_share(len(ordered))
-                futures = [self._executor.submit(self._read_sorted, ordered[k:k + share], out, False)
-                           for k in range(0, len(ordered), share)]
-        if self._pool is not None and ordered:
-            futures = self._submit_reads(ordered, out)
-        if not futures:
-            return _done(out)
-        result: Future = Future()
-        remaining = [len(futures)]
-        countdown = threading.Lock()
-
-        def one_done(_: Future) -> None:
-            with countdown:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if not last:
-                return
-            errors = [f.exception() for f in futures if f.exception() is not None]
-            if errors:  # not a bad slot (those are misses) but a bug or MemoryError: surface it
-                result.set_exception(errors[0])
-                return
-            with self._lock:  # touch in the order asked, not the order the threads finished
-                for i, block_hash, entry in to_read:
-                    if out[i] is not None and self._index.get(block_hash) is entry:
-                        self._index.touch(block_hash, entry)
-            result.set_result(out)
-
-        for future in futures:
-            future.add_done_callback(one_done)
-        return result
-
-    def recycle(self, blocks: list[torch.Tensor | None]) -> None:
-        """Hand back blocks that get or get_many returned, once the caller has copied them out: their
-        buffers are read into again. The caller must not touch them afterwards. Blocks from elsewhere
-        (a write in flight returns a copy) are ignored."""
-        bufs = [self._read_buffers.buffer_of(block) for block in blocks if block is not None]
-        self._read_buffers.give([buf for buf in bufs if buf is not None])
-
-    def _begin_read(self, block_hash: bytes) -> torch.Tensor | IndexEntry | None:
-        """Under the lock: a tensor from a write in flight (a hit), the entry to read, or a miss."""
-        pending = self._pending.get(block_hash)
-        if pending is not None:
-            self._counters.hits += 1
-            return pending.data.clone()
-        entry = self._index.get(block_hash)
-        if entry is None:
-            self._counters.misses += 1
-        return entry
-
-    def _begin_reads(self, batch: list[_ToRead]) -> list[_ToRead]:
-        """Those of batch still indexed, each slot marked as being read; a block evicted or
-        discarded since the lookup is a miss."""
-        with self._lock:
-            reading = []
-            for item in batch:
-                if self._index.get(item[1]) is item[2]:
-                    self._slots.begin_read(item[2].slot)  # from here no eviction or erase of the slot
-                    reading.append(item)
-                else:
-                    self._counters.misses += 1
-        return reading
-
-    def _submit_reads(self, batch: list[_ToRead], out: list) -> list[Future]:
-        """With C IO, on the caller's thread: begin the reads and queue each run of adjacent slots on
-        the IO pool as one preadv (as many runs as threads where the batch allows); a future per
-        run, resolved on the reaper once the run is checked and its slots let go."""
-        reading = self._begin_reads(batch)
-        futures = []
-        limit = self._run_limit(len(reading), self._max_read_run)
-        for run in self._io.runs(reading, limit, slot_of=lambda r: r[2].slot):
-            future: Future = Future()
-            futures.append(future)
-            start = self._read_clock.begin()
-
-            def done(bufs: list[torch.Tensor], read_ok: list[bool], crcs: list[int] | None, run: list[_ToRead] = run,
-                     start: float = start, future: Future = future) -> None:
-                try:
-                    self._check_run(run, bufs, read_ok, out, False, start, crcs)
-                except BaseException as e:  # a bug in a check reaches the caller's future
-                    future.set_exception(e)
-                else:
-                    future.set_result(None)
-
-            try:
-                self._io.submit_read([entry.slot for _, _, entry in run], self._pool, done)
-            except BaseException as e:  # a bug or MemoryError: this run is let go as misses
-                self._let_go(run, None, out, False, start)
-                future.set_exception(e)
-        return futures
-
-    def _read_sorted(self, batch: list[_ToRead], out: list, touch: bool) -> None:
-        """Read blocks in slot order into `out`: those still indexed, each run of adjacent slots in one
-        preadv; a read that finds its block evicted or discarded since the lookup is a miss."""
-        reading = self._begin_reads(batch)
-        runs = self._io.runs(reading, slot_of=lambda r: r[2].slot)
-        # each run but the last is checked by a checker thread while this thread reads the next
-        checks: list[Future] = []
-        done = 0
-        try:
-            for done, run in enumerate(runs, 1):
-                check = self._read_run(run, out, touch, self._checker if done < len(runs) else None)
-                if check is not None:
-                    checks.append(check)
-        finally:
-            if done < len(runs):  # a bug or MemoryError on the way: the runs not read are let go too
-                self._let_go([item for run in runs[done:] for item in run], None, out, touch, self._read_clock.begin())
-            wait_all(checks)
-        for check in checks:
-            check.result()  # a bug in a check reaches the caller's future
-
-    def _read_run(self, run: list[_ToRead], out: list, touch: bool,
-                  checker: ThreadPoolExecutor | None) -> Future | None:
-        """Adjacent slots, each marked as being read: read them, then check and let go of every one,
-        here or (with a checker) on a checker thread, whose future this returns."""
-        start = self._read_clock.begin()
-        try:
-            bufs, read_ok = self._io.read_raw([entry.slot for _, _, entry in run])
-        except BaseException:  # a bug or MemoryError, which the caller's future then carries
-            self._let_go(run, None, out, touch, start)
-            raise
-        if checker is None:
-            self._check_run(run, bufs, read_ok, out, touch, start)
-            return None
-        return checker.submit(self._check_run, run, bufs, read_ok, out, touch, start)
-
-    def _check_run(self, run: list[_ToRead], bufs: list[torch.Tensor], read_ok: list[bool], out: list,
-                   touch: bool, start: float, crcs: list[int] | None = None) -> None:
-        results = None
-        try:
-            results = self._io.check_run(bufs, read_ok, [h for _, h, _ in run], crcs)
-        finally:  # also on a bug: the slots are let go
-            self._let_go(run, results, out, touch, start)
-
-    def _let_go(self, run: list[_ToRead], results: list[tuple[torch.Tensor | None, bool]] | None, out: list,
-                touch: bool, start: float) -> None:
-        """The end of a run's read (begun at `start`): its blocks into `out`, each (block, bad slot)
-        of `results` counted, bad slots dropped and erased; no results: all misses, none bad."""
-        seconds = self._read_clock.end() - start
-        results = results or [(None, False)] * len(run)
-        to_erase = []
-        with self._lock:
-            self._counters.read_seconds += seconds
-            for (i, block_hash, entry), (data, bad) in zip(run, results):
-                out[i] = data
-                slot = self._end_read(block_hash, entry, data, bad, touch)
-                if slot is not None:
-                    to_erase.append(slot)
-        for slot in to_erase:
-            self._erase(slot)
-
-    def _end_read(self, block_hash: bytes, entry: IndexEntry, data: torch.Tensor | None, bad: bool,
-                  touch: bool) -> int | None:
-        """Under the lock, after a read: count it, drop a bad block, and let go of the slot; the slot
-        if the caller must now erase it."""
-        to_erase = entry.slot if self._slots.end_read(entry.slot) else None
-        if data is None:
-            self._counters.misses += 1
-            if bad and self._index.get(block_hash) is entry:  # still ours, so the slot is bad
-                to_erase = self._drop(block_hash)
-                self._counters.checksum_failures += 1
-                if self.on_evict is not None:
-                    self.on_evict([block_hash])
-        else:
-            self._counters.hits += 1
-            self._counters.bytes_read += self.geometry.slot_bytes
-            if touch and self._index.get(block_hash) is entry:
-                self._index.touch(block_hash, entry)
-        return to_erase
-
-    # -- the write path (IO threads) ---------------------------------------------------------
-    def _write_queued(self) -> None:
-        """Until the queue is empty: take a share of the queued writes (an even split among the IO
-        threads, at most a run), give each a slot (evicting where none is free), write each run of
-        adjacent slots in one pwrite, then index the blocks still wanted."""
-        try:
-            while self._write_share():
-                pass
-        except BaseException:
-            with self._lock:  # a bug: the writes this call would have taken still need a call
-                if self._queue:
-                    self._executor.submit(self._write_queued)
-            raise
-
-    def _write_share(self) -> bool:
-        """One share of the queue written; False if the queue was empty."""
-        taken: list[tuple[_PendingWrite, SlotWrite | None]] = []
-        written: set[int] = set()
-        with self._lock:
-            if not self._queue:
-                return False
-            start = self._write_clock.begin()
-        try:  # on a bug too, every write taken ends, committed or not, so flush does not hang
-            with self._lock:
-                self._take(min(self._io.max_run, self._even_share(len(self._queue))), taken)
-            written = self._io.write([w for _, w in taken if w is not None])
-            # no fsync: a slot torn by power loss fails its checksum and reads as a miss
-        finally:
-            self._end_writes(taken, written, start)
-        return True
-
-    def _take(self, limit: int, taken: list[tuple[_PendingWrite, SlotWrite | None]]) -> None:
-        """Under the lock: up to limit queued writes, oldest first, onto taken, each with its slot
-        write (None where it was discarded before its turn or no slot could be had)."""
-        while self._queue and len(taken) < limit:
-            p = self._queue.popleft()
-            taken.append((p, None))
-            if self._pending.get(p.block_hash) is p:  # else discarded before its turn
-                slot = self._allocate()
-                if slot is not None:
-                    p.tick = self._index.next_tick()
-                    taken[-1] = (p, SlotWrite(slot, p.block_hash, p.parent_hash, p.data, self._next_seq, p.staged))
-                    self._next_seq += 1
-
-    def _submit_queued(self) -> None:
-        """With C IO, on the caller's thread: take every queued write, give each a slot, and queue
-        its run of adjacent slots on the IO pool; each run ends on the pool's reaper thread."""
-        taken: list[tuple[_PendingWrite, SlotWrite | None]] = []
-        with self._lock:
-            self._take(len(self._queue), taken)
-        skipped = [(p, w) for p, w in taken if w is None]
-        if skipped:
-            self._end_writes(skipped, set(), self._write_clock.begin())
-        writes = [(p, w) for p, w in taken if w is not None]
-        runs = self._io.runs(writes, self._run_limit(len(writes)), slot_of=lambda t: t[1].slot)
-        for k, run in enumerate(runs):
-            start = self._write_clock.begin()
-
-            def done(written: bool, run: list = run, start: float = start) -> None:
-                self._end_writes(run, {w.slot for _, w in run} if written else set(), start)
-
-            try:
-                self._io.submit_run([w for _, w in run], self._pool, done)
-            except BaseException:  # a bug or MemoryError: the runs not queued end as failed, so flush does not hang
-                done(False)
-                for rest in runs[k + 1:]:
-                    self._end_writes(rest, set(), self._write_clock.begin())
-                raise
-
-    def _run_limit(self, n: int, most: int | None = None) -> int:
-        """The longest run for a burst of n blocks on the C IO threads: as many runs as threads where
-        the burst allows (one 3 MB write alone ran at 1.3 GB/s in the chat), and past max_run per
-        thread, runs of even length in as few rounds of the threads as max_run allows, so that no
-        thread is left with a last run alone (most: max_run by default; loads pass their own). The threads
-        take runs as they come free:
-
-            45 blocks, 4 threads, max_run 5:  runs of 5 -> 9 runs, rounds 4 + 4 + 1: 15 blocks a thread
-                                              runs of 4 -> 12 runs, rounds 4 + 4 + 4: 12 (11.25 if even)
-        """
-        threads, most = self.num_io_threads, most or self._io.max_run
-        rounds = max(1, -(-n // (threads * most)))
-        return max(1, min(most, -(-n // (threads * rounds))))
-
-    def _even_share(self, n: int) -> int:
-        """Items per IO thread when n are split evenly among them (at least 1)."""
-        return max(1, -(-n // self.num_io_threads))
-
-    def _end_writes(self, taken: list[tuple[_PendingWrite, SlotWrite | None]], written: set[int],
-                    start: float) -> None:
-        """Index what was written and is still wanted; erase the rest's slots; resolve the futures.
-        A write stays in flight until its slot is erased, so flush waits for that too."""
-        results: list[tuple[_PendingWrite, bool]] = []
-        to_erase: list[int] = []
-        with self._lock:
-            for p, w in taken:
-                slot = w.slot if w is not None else None
-                stored = False
-                if self._pending.get(p.block_hash) is p:
-                    del self._pending[p.block_hash]
-                    stored = slot is not None and slot in written
-                if stored:
-                    self._slots.commit(slot)
-                    # recent as of its take, not its end: blocks written together in slot order are
-                    # evicted in that order, so their slots are reused as runs
-                    self._index.insert(p.block_hash, p.parent_hash, slot, w.seq, p.tick)
-                    self._counters.writes += 1
-                    self._counters.bytes_written += self.geometry.slot_bytes
-                elif slot is not None:  # discarded meanwhile, or failed: what reached the slot must not come back
-                    self._slots.release(slot)
-                    to_erase.append(slot)
-                self._counters.write_failures += slot is not None and slot not in written
-                results.append((p, stored))
-            self._counters.write_seconds += self._write_clock.end() - start
-        for slot in to_erase:
-            self._erase(slot)
-        self._staged.give([p.staged for p, _ in taken if p.staged is not None])
-        for p, stored in results:
-            p.future.set_result(stored)
-        with self._lock:
-            self._writes_in_flight.difference_update(p.future for p, _ in results)
 
     # -- slots (callers hold the lock, except for _erase) ------------------------------------
     def _allocate(self) -> int | None:
