@@ -361,7 +361,7 @@ def test_a_pinned_prefix_outlives_a_flood_until_its_ttl(llm):
     small = LLM("smollm2-135m", num_gpu_blocks=24, cpu_kv_bytes=24 * _block_bytes(llm))
     engine, tiers = small.engine, small.engine.kv.tiers
     now = [0.0]
-    tiers._clock = lambda: now[0]
+    tiers.pins.clock = lambda: now[0]
     rng = random.Random(5)
     system = [rng.randrange(100, 40000) for _ in range(128)]
     first = _run(engine, "a", system + [1, 2, 3], cache_pins=[(128, 300.0)], tenant="t1")

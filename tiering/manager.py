@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
 from collections import OrderedDict
@@ -32,6 +31,7 @@ import torch
 from kvstrata.tiering.admission import AdmissionPolicy
 from kvstrata.tiering.block_copy import copy_blocks_into, copy_to_device, copy_to_host
 from kvstrata.tiering.host import HostTier
+from kvstrata.tiering.pins import PinTable
 from kvstrata.tiering.rank_mirror import (CLEAR, COMMIT, LOAD, SPILL, TO_DEVICE, TO_HOST, TierOp, encode_hashes,
                                           read_status)
 from kvstrata.worker.kv_cache_manager import SWAP_PREFIX
@@ -85,14 +85,8 @@ class TierManager:
         if nvme is not None:  # a block DRAM evicts is copied straight into a write buffer of the tier
             host.copy_out = nvme.staged_copy
             host.lower_has = nvme.__contains__  # a block on NVMe leaves DRAM without a copy: a refresh
-        # pins: block hash -> (expiry, tenant). Pinned blocks may move down but are never dropped,
-        # so all pins together must fit the lowest tier: half of it, and a quota per tenant
-        bottom = nvme_blocks or host.num_blocks
-        self.max_pinned_blocks = max(1, bottom // 2)
-        self.pin_quota_blocks = min(pin_quota_blocks or self.max_pinned_blocks, self.max_pinned_blocks)
-        self.pins: dict[bytes, tuple[float, str]] = {}
-        self._pin_heap: list[tuple[float, bytes]] = []
-        self._clock = clock
+        # prompt-cache pins, which must all fit the lowest tier: half of it, and a quota per tenant
+        self.pins = PinTable((nvme_blocks or host.num_blocks) // 2, pin_quota_blocks, host.block_bytes, clock)
         # one-pass block copies between the pool and DRAM when both are in host memory
         self.kernels = None
         if kv_cache.device.type == "cpu" and kv_cache.is_contiguous():
@@ -188,42 +182,19 @@ class TierManager:
 
     def pin(self, hashes: list[bytes], ttl_s: float, tenant: str) -> None:
         """Keep these blocks (a prefix chain) for ttl_s seconds: they may be demoted, never dropped.
-        Pinning again extends the TTL. ValueError (naming cache_control) past a quota."""
-        now = self._clock()
-        self.expire_pins(now)
-        new = [h for h in hashes if h not in self.pins]
-        mine = sum(1 for _, t in self.pins.values() if t == tenant) + len(new)
-        block_bytes = self.host.block_bytes
-        if mine > self.pin_quota_blocks:
-            raise ValueError(f"cache_control: tenant {tenant or 'default'!r} would pin {mine * block_bytes} bytes of "
-                             f"KV, over its quota of {self.pin_quota_blocks * block_bytes}")
-        if len(self.pins) + len(new) > self.max_pinned_blocks:
-            raise ValueError(f"cache_control: the server's pinned KV is full ({self.max_pinned_blocks * block_bytes} "
-                             "bytes); retry later or without cache_control")
-        expiry = now + ttl_s
-        for h in hashes:
-            old = self.pins.get(h)
-            if old is None or old[0] < expiry:
-                self.pins[h] = (expiry, tenant if old is None else old[1])
-                heapq.heappush(self._pin_heap, (expiry, h))
+        Pinning again extends the TTL. ValueError (naming cache_control) past a quota (pins.py)."""
+        self.pins.add(hashes, ttl_s, tenant)
         self._publish_pins()
 
     def expire_pins(self, now: float | None = None) -> None:
-        now = self._clock() if now is None else now
-        changed = False
-        while self._pin_heap and self._pin_heap[0][0] <= now:
-            expiry, h = heapq.heappop(self._pin_heap)
-            if self.pins.get(h, (None,))[0] == expiry:
-                del self.pins[h]
-                changed = True
-        if changed:
+        if self.pins.expire(now):
             self._publish_pins()
 
     def pinned_blocks(self, tenant: str | None = None) -> int:
-        return sum(1 for _, t in self.pins.values() if tenant is None or t == tenant)
+        return self.pins.count(tenant)
 
     def _publish_pins(self) -> None:
-        snapshot = frozenset(self.pins)  # read by the NVMe IO threads: replaced, never mutated
+        snapshot = self.pins.snapshot()  # read by the NVMe IO threads: replaced, never mutated
         self.host.pinned = snapshot
         if self.nvme is not None:
             self.nvme.pinned = snapshot
@@ -461,7 +432,6 @@ class TierManager:
         if self.copy_log is not None:
             self.copy_log.append((CLEAR, [], []))
         self.pins.clear()  # an operator's flush overrides pins
-        self._pin_heap.clear()
         self._publish_pins()
         if self.recorder is not None:
             self.recorder.removed([h for h in self.host.entries if not h.startswith(SWAP_PREFIX)], DRAM)

@@ -129,7 +129,7 @@ class LLM:
         if cpu_kv_bytes is not None:
             tiers = _build_tiers(runner, block_bytes, cpu_kv_bytes, nvme_kv_dir, nvme_kv_bytes, layout_tag, admission)
             if pin_quota_bytes is not None:
-                tiers.pin_quota_blocks = min(max(1, pin_quota_bytes // block_bytes), tiers.max_pinned_blocks)
+                tiers.pins.quota_blocks = min(max(1, pin_quota_bytes // block_bytes), tiers.pins.max_blocks)
             kv.attach_tiers(tiers)
             if shard is not None:  # the other ranks repeat every tier op on their shards (tiering/rank_mirror.py)
                 tiers.copy_log = []
