@@ -10,13 +10,14 @@ its share of the queue (an even split among the IO threads, at most 4 MB), gives
 slots and is later evicted in slot order) and writes each run of adjacent slots in one pwrite,
 taking shares until the queue is empty; a batch of reads sorts its slots and reads each run in one
 preadv (slot_io.py moves the bytes; this module keeps the index and which slot is free, written or
-read, and nvme_writes.py and nvme_reads.py hold the two paths). Blocks thus move in large IOs, four IO threads keeping four in flight (on one disk measured,
-four threads moved 0.74 MB blocks 1.5-1.7x faster into new space, 1.2x into reused slots and
-1.1-1.4x on reads than two; on another, 3.7 MB IOs from four threads wrote 1.2x faster than
-0.74 MB ones). Every read checks the header, the block's identity, the layout and
-a CRC-32 of the payload, and anything wrong reads as a miss and frees the slot. The index
-(nvme_index.py) lives in memory, is rebuilt from the slots' headers at open, oldest write first
-(each header carries a write sequence number), and evicts least-recently-used leaves first.
+read, and nvme_writes.py and nvme_reads.py hold the two paths). Blocks thus move in large IOs,
+four IO threads keeping four in flight (on one disk measured, four threads moved 0.74 MB blocks
+1.5-1.7x faster into new space, 1.2x into reused slots and 1.1-1.4x on reads than two; on
+another, 3.7 MB IOs from four threads wrote 1.2x faster than 0.74 MB ones). Every read checks
+the header, the block's identity, the layout and a CRC-32 of the payload, and anything wrong
+reads as a miss and frees the slot. The index (nvme_index.py) lives in memory, is rebuilt from
+the slots' headers at open, oldest write first (each header carries a write sequence number), and
+evicts least-recently-used leaves first.
 """
 
 from __future__ import annotations

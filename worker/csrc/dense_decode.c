@@ -453,11 +453,11 @@ static inline void ahead_pull(KeyAhead *a, int64_t bytes) {
  * sums acc [H][d], then the maxima m [H] and the sums of weights l [H]. */
 static inline int64_t partial_floats(int64_t num_heads, int64_t d) { return num_heads * (d + 2); }
 
-/* Chunks c0 .. c1 - 1 of one sequence (q [H][d] its queries, float32 or, with q_bf16, bf16), each from
- * scratch: its keys scored, one softmax, its values; each chunk's partial is combined into `state` in
- * order (the first one is copied). Only the queries of KV heads h0 .. h1 - 1 are computed, and only their parts of
- * `state` written: each query's sums are its own, so a head's bits do not depend on the range.
- * Prefetches run on across the task's chunks. */
+/* Chunks c0 .. c1 - 1 of one sequence (q [H][d] its queries, float32 or, with q_bf16, bf16), each
+ * from scratch: its keys scored, one softmax, its values; each chunk's partial is combined into
+ * `state` in order (the first one is copied). Only the queries of KV heads h0 .. h1 - 1 are
+ * computed, and only their parts of `state` written: each query's sums are its own, so a head's
+ * bits do not depend on the range. Prefetches run on across the task's chunks. */
 static inline __attribute__((always_inline)) void decode_chunks(
     const void *q, int q_bf16, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, int64_t c0,
     int64_t c1, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, float scale, const RowFormat *format,
@@ -671,7 +671,8 @@ static void locate(int64_t task, int by_sequence, const int64_t *first, int64_t 
  * other waited, and two chunks often both went to the thread that came first (see below); on a
  * 2-core Xeon, decode steps of 1-3 sequences ran 1.6-5.6% faster, 4 even. A thread takes tasks as it
  * comes free (as a dynamic schedule would), but claims its next one as it starts the current one,
- * so that the current one's value passes know whose keys to pull ahead. */
+ * so that the current one's value passes know whose keys to pull ahead. q and out are float32, or
+ * with bf16_io bf16 (paged_attention.c's kvs_paged_decode_bf16_rows). */
 void kvs_dense_decode(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                       const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t batch,
                       int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t bs, int64_t width, float scale,

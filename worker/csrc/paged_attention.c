@@ -5,7 +5,8 @@
  * and an online softmax per block.
  *
  *   k_cache, v_cache: [num_blocks, block_size, Hkv, row], rows as kv_rows.h describes
- *   q, out:           [B, H, D] float32 (the caller converts bf16); q's rows are q_stride floats apart
+ *   q, out:           [B, H, D] float32, or bf16 for kvs_paged_decode_bf16_rows; q's rows are q_stride
+ *                     elements apart
  *   block_tables:     [B, W] int64, seq_lens: [B] int64 (tokens to attend, this step's included)
  */
 #include <math.h>
