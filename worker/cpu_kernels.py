@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.worker.block_kernels import BlockKernels
-from kvstrata.worker.gemm_tuning import GemmTuning, _switch_env
+from kvstrata.worker.gemm_tuning import GemmTuning, switch_env
 from kvstrata.worker.kernel_build import build, find_compiler
 from kvstrata.worker.kernel_signatures import declare
 
@@ -54,7 +54,7 @@ class CpuKernels(GemmTuning, BlockKernels):
         self.gemm_group = lib.kvs_gemm_group()  # output columns per packed group: NR in csrc/gemm.c
         # decode attention's value passes pull the next chunk's keys ahead (csrc/dense_decode.c): on
         # by default except on Intel CPUs; KVSTRATA_DECODE_KEY_AHEAD=0 or 1 sets it
-        ahead = _switch_env("KVSTRATA_DECODE_KEY_AHEAD")
+        ahead = switch_env("KVSTRATA_DECODE_KEY_AHEAD")
         if ahead is not None:
             lib.kvs_decode_set_key_ahead(int(ahead))
         self.key_ahead = bool(lib.kvs_decode_set_key_ahead(-1))  # -1 leaves it, returning it

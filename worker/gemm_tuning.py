@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _switch_env(name: str) -> bool | None:
+def switch_env(name: str) -> bool | None:
     """An on/off environment variable: None where unset, else 0 or 1 (anything else is an error naming it)."""
     value = os.environ.get(name)
     if value is not None and value not in ("0", "1"):
@@ -117,7 +117,7 @@ class GemmTuning:
             return self.wide_copy
         env = "KVSTRATA_GEMM_WIDE_COPY"
         applies = bool(weights) and weights[0].data.dtype == torch.bfloat16 and not (self.amx or self.bf16_dot)
-        if not applies and _switch_env(env) is None:
+        if not applies and switch_env(env) is None:
             chosen = True  # untimed: the C default stays
         else:
             tile_rows = 8 if self.gemm_group == 48 else 4
@@ -151,7 +151,7 @@ class GemmTuning:
                       what: str, rounds: int, joined: list[PackedWeight] = ()) -> bool:
         """An on/off choice of the packed GEMM: `env` (0 or 1) where set, else off where it does not
         apply, else whichever way a pass over `weights` at `rows` rows ran faster (_time_passes)."""
-        value = _switch_env(env)
+        value = switch_env(env)
         if value is not None:
             return value
         if not applies:
