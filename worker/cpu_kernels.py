@@ -87,25 +87,22 @@ class CpuKernels(GemmTuning, BlockKernels):
             raise ValueError("paged_decode needs contiguous K/V caches")
         tables = _dense_int64(block_tables)
         lens = _dense_int64(seq_lens)
-        if q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
-            # bf16 in and out, as the fused bf16 layer calls it: the same values as the float32 path's
-            # output rounded to bf16
-            qb = q if q.stride(2) == 1 and q.stride(1) == head_dim else q.contiguous()
-            out = torch.empty((batch, num_heads, head_dim), dtype=torch.bfloat16)
-            self._lib.kvs_paged_decode_bf16_rows(qb.data_ptr(), qb.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                                 tables.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, num_heads,
-                                                 num_kv_heads, head_dim, block_size, tables.shape[1], scale)
-            return out
-        # only pointers cross into C, so every buffer must be dense (a float32 q may skip rows: a
-        # view into the fused q/k projection is read in place)
-        if q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim:
-            qf = q
+        # bf16 queries over bf16 K/V stay bf16 in and out (the fused bf16 layer's call: the same values
+        # as the float32 entry's output rounded). Only pointers cross into C, so every buffer must be
+        # dense, but q may skip rows: a view into the fused q/k projection is read in place.
+        rows = q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
+        in_place = q.stride(2) == 1 and q.stride(1) == head_dim
+        if rows or q.dtype == torch.float32:
+            qx = q if in_place else q.contiguous()
         else:
-            qf = q.float().contiguous()
-        out = torch.empty((batch, num_heads, head_dim), dtype=torch.float32)
-        common = (qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            qx = q.float().contiguous()
+        out = torch.empty((batch, num_heads, head_dim), dtype=torch.bfloat16 if rows else torch.float32)
+        common = (qx.data_ptr(), qx.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                   lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
                   tables.shape[1], scale)
+        if rows:
+            self._lib.kvs_paged_decode_bf16_rows(*common)
+            return out
         if k_cache.dtype == torch.uint8:
             extra = _quantized_row_extra(k_cache, head_dim, code_table, int4_value_group)
             if extra:
