@@ -14,38 +14,26 @@
 - Lookup: a request's chain continues from the device into DRAM, then NVMe. Blocks in DRAM are
   promoted (one scatter) when the request is admitted. Blocks only on NVMe are first loaded into
   DRAM by the tier's IO threads while the request waits; a failed read (a corrupt file) ends the
-  chain there, and the rest is recomputed.
+  chain there, and the rest is recomputed (tier_loads.py, which TierManager inherits).
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from kvstrata.tiering.admission import AdmissionPolicy
-from kvstrata.tiering.block_copy import copy_blocks_into, copy_to_device, copy_to_host
+from kvstrata.tiering.block_copy import copy_to_device, copy_to_host
 from kvstrata.tiering.host import HostTier
 from kvstrata.tiering.pins import PinTable
-from kvstrata.tiering.rank_mirror import (CLEAR, COMMIT, LOAD, SPILL, TO_DEVICE, TO_HOST, TierOp, encode_hashes,
-                                          read_status)
+from kvstrata.tiering.rank_mirror import CLEAR, SPILL, TO_DEVICE, TO_HOST, TierOp, encode_hashes
+from kvstrata.tiering.tier_loads import DRAM, HBM, NVME, TierLoads
 from kvstrata.worker.kv_cache_manager import SWAP_PREFIX
 from kvstrata.worker.prefix_cache import EvictedBlock
-
-HBM, DRAM, NVME = 1, 2, 3  # kvstrata.v1.Tier, for KV events
-
-
-@dataclass
-class _Load:
-    load_id: int
-    hashes: list[bytes]
-    parents: list[bytes | None]
-    future: Future
 
 
 @dataclass
@@ -68,7 +56,7 @@ class TierCounters:
     spill_refreshes: int = 0  # DRAM evictions NVMe held already: refreshed there, with no copy made
 
 
-class TierManager:
+class TierManager(TierLoads):
     def __init__(self, kv_cache: torch.Tensor, host: HostTier, nvme=None, max_load_blocks: int | None = None,
                  pin_quota_blocks: int | None = None, admission: AdmissionPolicy | None = None,
                  clock=time.monotonic):
@@ -114,9 +102,7 @@ class TierManager:
         self.copy_log: list[TierOp] | None = None
         self.group_reads: dict[int, int] | None = None
         self.sync_group: Callable[[], None] | None = None
-        self.loads: list[_Load] = []
-        self._load_ids = itertools.count()
-        self.loading: set[bytes] = set()
+        self._init_loads()
 
     # -- device -> DRAM -> NVMe ------------------------------------------------------------------
     def demote(self, evicted: list[EvictedBlock]) -> None:
@@ -279,116 +265,7 @@ class TierManager:
         if puts:
             nvme.put_many(puts)
 
-    # -- lookup and promotion --------------------------------------------------------------------
-    def lookup(self, hashes: list[bytes], allow_load: bool = True) -> tuple[int, bool]:
-        """How many of `hashes` (the uncached rest of a request's chain) are in DRAM from the first,
-        and whether more of the chain is on its way from NVMe (the request should wait for it).
-        With allow_load False, NVMe is not consulted: the request takes what DRAM has now."""
-        self.poll()
-        self.expire_pins()
-        n = min(self.host.match(hashes), self.max_load_blocks)
-        rest = hashes[n:]
-        if not rest or self.nvme is None or not allow_load:
-            return n, False
-        if rest[0] in self.loading:
-            return n, True
-        k = 0
-        budget = min(self.max_load_blocks - n, self.max_load_blocks - len(self.loading))
-        while k < len(rest) and k < budget and rest[k] in self.nvme:
-            k += 1
-        if not k:
-            return n, False
-        wanted = rest[:k]
-        parents = [self.nvme.parent_of(h) for h in wanted]
-        load = _Load(next(self._load_ids), wanted, parents, self.nvme.get_many(wanted))
-        self.loads.append(load)
-        self.loading.update(wanted)
-        if self.copy_log is not None:
-            self.copy_log.append((LOAD, [load.load_id], encode_hashes(wanted)))
-        return n, True
-
-    def poll(self) -> None:
-        """Move finished NVMe loads into DRAM (engine thread only); with tensor parallelism, only
-        loads every rank has read, and only as many blocks as every rank read."""
-        if not self.loads:
-            return
-        still = []
-        for load in self.loads:
-            good = read_status(load.future)
-            if self.group_reads is not None and good >= 0:
-                good = min(good, self.group_reads.get(load.load_id, -1))
-            if good < 0:
-                still.append(load)
-                continue
-            self.loading.difference_update(load.hashes)
-            self.counters.failed_loads += len(load.hashes) - good
-            self._commit(load, good)
-        self.loads = still
-
-    def _commit(self, load: _Load, good: int) -> None:
-        """The first `good` blocks of a finished load into DRAM; the other ranks copy theirs into the
-        same slots."""
-        read_here = read_status(load.future)  # blocks read on this rank: `good`, or more with other ranks
-        if self.group_reads is not None:
-            self.group_reads.pop(load.load_id, None)
-            for h in load.hashes[good:read_here]:  # another rank missed them: write them anew next time
-                self.nvme.discard(h)
-        hashes, rows, slots = load.hashes[:good], [], []
-        if good:
-            blocks = load.future.result()
-            was_here = [h in self.host for h in hashes]
-            mark = self._log_mark()
-            # a block read back from NVMe is being reused: it counts one hit
-            def fill(rows: list[int], slots: list[int]) -> None:
-                self.host.wait_copies()
-                copy_blocks_into(self.host.storage, slots, [blocks[r] for r in rows])
-
-            spilled = self.host.put(hashes, load.parents[:good], hits=[1] * good, fill=fill)
-            self._spill(spilled, mark)
-            rows = [i for i, h in enumerate(hashes) if not was_here[i] and h in self.host]
-            slots = [self.host.entries[hashes[i]].slot for i in rows]
-            if self.recorder is not None:
-                for h, parent in zip(hashes, load.parents[:good]):
-                    if h in self.host:
-                        self.recorder.stored([h], parent, DRAM)
-            self.counters.loaded_from_nvme += good
-        if read_here > 0:  # copied out, or not wanted: their read buffers are read into again
-            self.nvme.recycle(load.future.result())
-        if self.copy_log is not None:
-            self.copy_log.append((COMMIT, [load.load_id, *rows], slots))
-
-    def wait_for_loads(self, timeout: float) -> None:
-        """Block up to timeout for one NVMe load (used when nothing else can run); with tensor
-        parallelism, then ask the ranks how far they have read."""
-        if not self.loads:
-            return
-        try:
-            self.loads[0].future.result(timeout=timeout)
-        except Exception:  # noqa: S110 - reported by poll()
-            pass
-        if self.sync_group is not None:
-            before = len(self.loads)
-            self.sync_group()
-            self.poll()
-            if len(self.loads) == before:
-                time.sleep(min(timeout, 0.002))  # the ranks are still reading: do not spin on them
-            return
-        self.poll()
-
-    # -- tensor-parallel loads -------------------------------------------------------------------
-    def pending_load_ids(self) -> list[int]:
-        """The loads whose group status rank 0 needs: those not yet read by every rank."""
-        return [load.load_id for load in self.loads]
-
-    def load_statuses(self, load_ids: list[int]) -> list[int]:
-        """Rank 0's own read status of each load (rank_mirror.read_status)."""
-        futures = {load.load_id: load.future for load in self.loads}
-        return [read_status(futures.get(i)) for i in load_ids]
-
-    def note_group_reads(self, load_ids: list[int], statuses: list[int]) -> None:
-        """The group's answer (the minimum over ranks) for these loads, for the next poll."""
-        self.group_reads.update(zip(load_ids, statuses))
-
+    # -- promotion --------------------------------------------------------------------------------
     def bring_back(self, keys: list[bytes], allocate: Callable[[int], list], swap: bool = False) -> list:
         """Move blocks (all in DRAM) into fresh pool blocks from allocate(n), in one copy; returns
         those blocks. The DRAM slots stay reserved until the copy is done, because the allocation
@@ -418,17 +295,7 @@ class TierManager:
     # -- upkeep ----------------------------------------------------------------------------------
     def clear(self) -> int:
         """Drop every block in DRAM and on NVMe; returns how many."""
-        for load in self.loads:
-            load.future.cancel()
-        for load in self.loads:
-            try:
-                load.future.result()
-            except BaseException:  # noqa: S110 - cancelled or failed: dropped anyway
-                pass
-        self.loads.clear()
-        self.loading.clear()
-        if self.group_reads is not None:
-            self.group_reads.clear()
+        self._cancel_loads()
         if self.copy_log is not None:
             self.copy_log.append((CLEAR, [], []))
         self.pins.clear()  # an operator's flush overrides pins
