@@ -355,10 +355,10 @@ def test_a_burst_goes_out_in_runs_of_adjacent_slots_from_its_write_buffers(tmp_p
 
 
 def test_loads_go_out_in_runs_of_their_own_size_not_the_writes(tmp_path, monkeypatch, submitted):
-    """Writes run up to RUN_BYTES of adjacent slots, reads up to READ_RUN_BYTES (smaller reads ran
-    faster on one host's disk, smaller writes slower): 12 adjacent blocks on 2 threads."""
+    """Writes run up to RUN_BYTES of adjacent slots, reads up to a size of READ_RUN_SIZES (smaller
+    reads ran faster on one host's disk, smaller writes slower): 12 adjacent blocks on 2 threads."""
     monkeypatch.setattr(nvme, "RUN_BYTES", 6 * SLOT)
-    monkeypatch.setattr(nvme, "READ_RUN_BYTES", 2 * SLOT)
+    monkeypatch.setattr(nvme, "READ_RUN_SIZES", (2 * SLOT,))
     names = [f"b{i}" for i in range(12)]
     tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=2, c_io=True)
     futures = tier.put_many([(h(n), None, tier.staged_copy(data_of(n))) for n in names])
@@ -380,6 +380,38 @@ def test_loads_go_out_in_runs_of_their_own_size_not_the_writes(tmp_path, monkeyp
         monkeypatch.setenv("KVSTRATA_NVME_READ_RUN_KB", bad)
         with pytest.raises(ValueError, match="KVSTRATA_NVME_READ_RUN_KB"):
             tier_at(tmp_path / "refused", c_io=True)
+
+
+def test_loads_take_turns_between_run_sizes_and_time_the_bursts_they_cut_differently(tmp_path, monkeypatch,
+                                                                                        submitted):
+    """Without KVSTRATA_NVME_READ_RUN_KB, bursts try each of READ_RUN_SIZES in turn (run_sizes.py), and
+    only a burst that the sizes would cut into different runs is timed."""
+    monkeypatch.delenv("KVSTRATA_NVME_READ_RUN_KB", raising=False)
+    monkeypatch.setattr(nvme, "READ_RUN_SIZES", (SLOT, 3 * SLOT))
+    names = [f"b{i}" for i in range(12)]
+    tier = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=2, c_io=True)
+    assert [f.result(timeout=10) for f in tier.put_many([(h(n), None, data_of(n)) for n in names])] == [True] * 12
+    stats = tier.stats()
+    assert stats["read_run_slots"] == 1
+    assert [r["bursts"] for r in stats["read_run_rates"]] == [0, 0]
+    runs = []
+    for _ in range(2):
+        del submitted[:]
+        got = tier.get_many([h(n) for n in names]).result(timeout=10)
+        assert all(same(g, data_of(n)) for n, g in zip(names, got))
+        runs.append(sorted(n for _, n in submitted))
+    assert runs == [[1] * 12, [3] * 4]  # one slot a read, then three
+    assert [(r["slots"], r["bursts"]) for r in tier.stats()["read_run_rates"]] == [(1, 1), (3, 1)]
+    assert all(r["gb_per_s"] > 0 for r in tier.stats()["read_run_rates"])
+    del submitted[:]
+    tier.get_many([h("b0"), h("b5")]).result(timeout=10)  # one slot a run whichever the size: not timed
+    assert [r["bursts"] for r in tier.stats()["read_run_rates"]] == [1, 1] and len(submitted) == 2
+    tier.check_integrity()
+    tier.close()
+    monkeypatch.setenv("KVSTRATA_NVME_READ_RUN_KB", str(2 * SLOT // 1024))  # an operator's size: no choice
+    again = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=2, c_io=True)
+    assert [r["slots"] for r in again.stats()["read_run_rates"]] == [2]
+    again.close()
 
 
 def test_blocks_not_staged_are_staged_at_the_put(tmp_path):
@@ -529,7 +561,7 @@ def test_a_c_run_whose_read_fails_is_read_slot_by_slot(tmp_path, monkeypatch):
 
 
 def test_a_bug_in_a_c_runs_check_reaches_the_caller_and_every_slot_is_let_go(tmp_path, monkeypatch):
-    monkeypatch.setattr(nvme, "READ_RUN_BYTES", SLOT)  # one block a read
+    monkeypatch.setattr(nvme, "READ_RUN_SIZES", (SLOT,))  # one block a read
     tier = filled(tmp_path, num_io_threads=1, c_io=True)
     calls, real = [], nvme.SlotIO.check_run
 

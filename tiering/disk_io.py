@@ -77,12 +77,12 @@ def io_slice_us() -> int:
     return int(env)
 
 
-def read_run_bytes(default: int) -> int:
+def read_run_bytes() -> int | None:
     """KVSTRATA_NVME_READ_RUN_KB: the most one load's preadv on the C IO threads moves, in KiB
-    (4 to 65536), for a disk that reads faster in other sizes; `default` when unset."""
+    (4 to 65536), fixed instead of chosen by the loads' rates (run_sizes.py); None when unset."""
     env = os.environ.get("KVSTRATA_NVME_READ_RUN_KB")
     if env is None:
-        return default
+        return None
     if not env.isdigit() or not 4 <= int(env) <= 65536:
         raise ValueError(f"KVSTRATA_NVME_READ_RUN_KB must be 4 to 65536, got {env!r}")
     return int(env) << 10

@@ -49,6 +49,7 @@ from kvstrata.tiering.io_pool import nvme_pool
 from kvstrata.tiering.nvme_index import BlockIndex, IndexEntry
 from kvstrata.tiering.nvme_reads import NvmeReads
 from kvstrata.tiering.nvme_writes import NvmeWrites, PendingWrite
+from kvstrata.tiering.run_sizes import RunSizeChooser
 from kvstrata.tiering.slab import SLAB_BYTES, SlabFiles, SlabGeometry
 from kvstrata.tiering.slab_scan import check_disk, rebuild
 from kvstrata.tiering.slot_io import ReadBuffers, SlotIO
@@ -56,12 +57,11 @@ from kvstrata.tiering.slot_stage import StagedCopies
 from kvstrata.tiering.slots import SlotTable
 
 RUN_BYTES = 4 << 20  # the most one pwrite moves: adjacent slots go together up to this
-# the most one preadv on the C IO threads moves. Against runs of up to 4 MB, reads of 1 MB (one
-# float32 slot of the default model) ran at 0.86-0.90 of the lockstep reference instead of
-# 0.77-0.84 on a 2-core Xeon's virtual disk, in the chat and alone; writes in 1 MB runs lost in the
-# chat (more completions through Python), so they keep RUN_BYTES (docs/benchmarks.md).
-# KVSTRATA_NVME_READ_RUN_KB sets another size.
-READ_RUN_BYTES = 1 << 20
+# the most one preadv on the C IO threads moves, chosen among these by the loads' own rates
+# (run_sizes.py: a Xeon's disk read fastest in 1 MB runs, a Zen 4 EPYC's in 4 MB runs); writes in
+# 1 MB runs lost in the chat (more completions through Python), so they keep RUN_BYTES
+# (docs/benchmarks.md). KVSTRATA_NVME_READ_RUN_KB sets one size instead.
+READ_RUN_SIZES = (1 << 20, 4 << 20)
 READ_BUFFER_BYTES = 256 << 20  # read buffers (an arena on huge pages, slot_io.ReadBuffers) kept for reuse
 PREFAULT_READ_BYTES = 64 << 20  # of those, faulted in at open: about what loads have out at once
 STAGED_BUFFER_BYTES = 64 << 20  # write buffers that blocks leaving DRAM are staged in (slot_stage.py)
@@ -155,7 +155,7 @@ class NvmeTier(NvmeWrites, NvmeReads):
         self._write_clock = BusyClock()
         self._closed = False
         self.io_slice_us = io_slice_us()
-        read_run = read_run_bytes(READ_RUN_BYTES)
+        read_run = read_run_bytes()
         self._short_slice_threads = 0
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock_fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -174,7 +174,8 @@ class NvmeTier(NvmeWrites, NvmeReads):
             self._read_buffers.prefault(min(self.geometry.num_slots, PREFAULT_READ_BYTES // self.geometry.slot_bytes))
             self._io = SlotIO(self._slabs, layout_tag, dtype, shape, self.payload_bytes,
                               max(1, RUN_BYTES // self.geometry.slot_bytes), self._read_buffers)
-            self._max_read_run = max(1, read_run // self.geometry.slot_bytes)
+            self._read_runs = RunSizeChooser([max(1, b // self.geometry.slot_bytes)
+                                              for b in ((read_run,) if read_run else READ_RUN_SIZES)])
             self._staged = StagedCopies(self.geometry.slot_bytes, head_bytes, dtype, shape, self.payload_bytes,
                                         max(8, STAGED_BUFFER_BYTES // self.geometry.slot_bytes))
             # writes and loads on C threads (io_pool.py) where the C kernels stage blocks, else on the executor
@@ -232,6 +233,7 @@ class NvmeTier(NvmeWrites, NvmeReads):
             return {"blocks": len(self._index), "used_bytes": self.used_bytes,
                     "capacity_bytes": self.capacity_bytes, "pending_writes": len(self._pending),
                     "direct_io": self.direct_io, "slots": self.geometry.num_slots,
+                    "slot_bytes": self.geometry.slot_bytes,
                     "slab_files": self._slabs.num_files, "short_slice_io_threads": self._short_slice_threads + (
                         self._pool.short_slice_threads if self._pool is not None else 0),
                     "c_io": self._pool is not None,
@@ -240,6 +242,7 @@ class NvmeTier(NvmeWrites, NvmeReads):
                     "read_io_seconds": self._pool.busy_seconds(False) if self._pool is not None else None,
                     "write_io_seconds": self._pool.busy_seconds(True) if self._pool is not None else None,
                     **asdict(self._counters),
+                    **self._read_runs.stats(),
                     "read_busy_seconds": self._read_clock.seconds,
                     "write_busy_seconds": self._write_clock.seconds}
 

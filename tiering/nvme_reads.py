@@ -8,6 +8,7 @@ miss and is dropped and erased.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 
@@ -57,8 +58,9 @@ class NvmeReads:
                 share = self._even_share(len(ordered))
                 futures = [self._executor.submit(self._read_sorted, ordered[k:k + share], out, False)
                            for k in range(0, len(ordered), share)]
+        timed = None  # (run size, when submitted) of a burst whose rate the run size chooser takes
         if self._pool is not None and ordered:
-            futures = self._submit_reads(ordered, out)
+            futures, timed = self._submit_reads(ordered, out)
         if not futures:
             return resolved(out)
         result: Future = Future()
@@ -75,6 +77,9 @@ class NvmeReads:
             if errors:  # not a bad slot (those are misses) but a bug or MemoryError: surface it
                 result.set_exception(errors[0])
                 return
+            if timed is not None:
+                read = sum(out[i] is not None for i, _, _ in to_read) * self.geometry.slot_bytes
+                self._read_runs.record(timed[0], read, time.perf_counter() - timed[1])
             with self._lock:  # touch in the order asked, not the order the threads finished
                 for i, block_hash, entry in to_read:
                     if out[i] is not None and self._index.get(block_hash) is entry:
@@ -116,13 +121,19 @@ class NvmeReads:
                     self._counters.misses += 1
         return reading
 
-    def _submit_reads(self, batch: list[_ToRead], out: list) -> list[Future]:
+    def _submit_reads(self, batch: list[_ToRead], out: list) -> tuple[list[Future], tuple[int, float] | None]:
         """With C IO, on the caller's thread: begin the reads and queue each run of adjacent slots on
-        the IO pool as one preadv (as many runs as threads where the batch allows); a future per
-        run, resolved on the reaper once the run is checked and its slots let go."""
+        the IO pool as one preadv (as many runs as threads where the batch allows, each of at most
+        the slots the run size chooser picks); a future per run, resolved on the reaper once the run
+        is checked and its slots let go. Also (the size, when submitted) where the candidate sizes
+        would cut this batch differently (a burst the chooser times), else None."""
+        submitted = time.perf_counter()
         reading = self._begin_reads(batch)
         futures = []
-        limit = self._run_limit(len(reading), self._max_read_run)
+        limits = {n: self._run_limit(len(reading), n) for n in self._read_runs.candidates}
+        timed = len(set(limits.values())) > 1
+        size = self._read_runs.pick() if timed else self._read_runs.best()
+        limit = limits[size]
         for run in self._io.runs(reading, limit, slot_of=lambda r: r[2].slot):
             future: Future = Future()
             futures.append(future)
@@ -142,7 +153,7 @@ class NvmeReads:
             except BaseException as e:  # a bug or MemoryError: this run is let go as misses
                 self._let_go(run, None, out, False, start)
                 future.set_exception(e)
-        return futures
+        return futures, (size, submitted) if timed else None
 
     def _read_sorted(self, batch: list[_ToRead], out: list, touch: bool) -> None:
         """Read blocks in slot order into `out`: those still indexed, each run of adjacent slots in one

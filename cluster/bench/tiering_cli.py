@@ -77,7 +77,22 @@ def format_report(r: TieringReport) -> str:
         lines.append("where the NVMe time goes (not targets):")
         lines += [f"  {t.name}: {t.gb_per_s:.2f} GB/s = {t.ratio:.0%} of {t.reference} "
                   f"({t.reference_gb_per_s:.2f} GB/s)" for t in where]
+    if line := _read_runs_line(r):
+        lines.append(line)
     return "\n".join(lines)
+
+
+def _read_runs_line(r: TieringReport) -> str | None:
+    """The chat's loads: the run size they took by the end, and each size's rate (tiering/run_sizes.py)."""
+    nvme = (r.config("nvme").tiers or {}).get("nvme", {})
+    rates = nvme.get("read_run_rates")
+    if not rates:
+        return None
+    slot_mb = nvme["slot_bytes"] / 1e6
+    sizes = "; ".join(f"{x['slots']} slots ({x['slots'] * slot_mb:.1f} MB): {x['gb_per_s']:.2f} GB/s over "
+                      f"{x['bursts']} bursts" for x in rates)
+    return (f"NVMe loads in the chat, read runs (chosen from their own rates): {nvme['read_run_slots']} slots now; "
+            f"{sizes}")
 
 
 def format_admission(r: AdmissionReport) -> str:
