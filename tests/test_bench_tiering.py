@@ -173,9 +173,14 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
     rc = main(["bench", "tiering", "--quick", "--conversations", "4", "--dram-blocks", "1", "--gpu-blocks", "6", "--memcpy-mb", "8", "--disk-probe-mb", "4",
                "--nvme-dir", str(tmp_path / "nvme"), "--json", str(out), "--plot", str(png)])
     assert rc == 0
-    assert "targets:" in capsys.readouterr().out
+    stdout = capsys.readouterr().out
+    assert "targets:" in stdout
     data = json.loads(out.read_text())
     assert [c["name"] for c in data["configs"]] == ["device", "dram", "nvme"]
+    nvme_stats = data["configs"][2]["tiers"]["nvme"]  # the loads' read run sizes and their rates, reported
+    if nvme_stats["c_io"]:
+        assert [r["slots"] for r in nvme_stats["read_run_rates"]] == [1, 5]  # 1 and 4 MB of 0.74 MB slots
+        assert f"read runs (chosen from their own rates): {nvme_stats['read_run_slots']} slots now" in stdout
     assert len(data["configs"][0]["turns"]) == 4 * 2 and data["outputs_identical"] is True
     assert {t["name"] for t in data["transfers"]} >= {"DRAM demote", "NVMe read"}
     assert data["references_gb_per_s"]["memcpy"] > 0

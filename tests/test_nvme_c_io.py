@@ -301,7 +301,10 @@ def test_c_io_is_the_default_where_the_kernels_stage_and_can_be_turned_off(tmp_p
     tier.close()
     monkeypatch.setenv("KVSTRATA_NVME_C_IO", "0")
     tier = tier_at(tmp_path / "b")
-    assert tier.stats()["c_io"] is False
+    stats = tier.stats()
+    assert stats["c_io"] is False
+    # the Python IO threads read runs of up to RUN_BYTES: no size to choose, no rates
+    assert stats["read_run_slots"] == max(1, nvme.RUN_BYTES // stats["slot_bytes"]) and stats["read_run_rates"] == []
     tier.close()
     monkeypatch.setenv("KVSTRATA_NVME_C_IO", "yes")
     with pytest.raises(ValueError, match="KVSTRATA_NVME_C_IO"):
@@ -410,7 +413,10 @@ def test_loads_take_turns_between_run_sizes_and_time_the_bursts_they_cut_differe
     tier.close()
     monkeypatch.setenv("KVSTRATA_NVME_READ_RUN_KB", str(2 * SLOT // 1024))  # an operator's size: no choice
     again = tier_at(tmp_path / "nvme", capacity=16 * SLOT, num_io_threads=2, c_io=True)
-    assert [r["slots"] for r in again.stats()["read_run_rates"]] == [2]
+    del submitted[:]
+    assert all(same(g, data_of(n)) for n, g in zip(names, again.get_many([h(n) for n in names]).result(timeout=10)))
+    assert sorted(n for _, n in submitted) == [2] * 6
+    assert [(r["slots"], r["bursts"]) for r in again.stats()["read_run_rates"]] == [(2, 1)]  # its rate, for stats
     again.close()
 
 

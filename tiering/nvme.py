@@ -242,7 +242,9 @@ class NvmeTier(NvmeWrites, NvmeReads):
                     "read_io_seconds": self._pool.busy_seconds(False) if self._pool is not None else None,
                     "write_io_seconds": self._pool.busy_seconds(True) if self._pool is not None else None,
                     **asdict(self._counters),
-                    **self._read_runs.stats(),
+                    # the read run size C IO's loads take now, and each candidate's rate; the Python threads' is fixed
+                    **(self._read_runs.stats() if self._pool is not None else
+                       {"read_run_slots": self._io.max_run, "read_run_rates": []}),
                     "read_busy_seconds": self._read_clock.seconds,
                     "write_busy_seconds": self._write_clock.seconds}
 

@@ -126,12 +126,13 @@ class NvmeReads:
         the IO pool as one preadv (as many runs as threads where the batch allows, each of at most
         the slots the run size chooser picks); a future per run, resolved on the reaper once the run
         is checked and its slots let go. Also (the size, when submitted) where the candidate sizes
-        would cut this batch differently (a burst the chooser times), else None."""
+        would cut this batch differently (a burst the chooser times; with one size, any burst of more
+        blocks than threads, for its rate in stats), else None."""
         submitted = time.perf_counter()
         reading = self._begin_reads(batch)
         futures = []
         limits = {n: self._run_limit(len(reading), n) for n in self._read_runs.candidates}
-        timed = len(set(limits.values())) > 1
+        timed = len(set(limits.values())) > 1 or (len(limits) == 1 and len(reading) > self.num_io_threads)
         size = self._read_runs.pick() if timed else self._read_runs.best()
         limit = limits[size]
         for run in self._io.runs(reading, limit, slot_of=lambda r: r[2].slot):

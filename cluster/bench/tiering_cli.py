@@ -91,8 +91,8 @@ def _read_runs_line(r: TieringReport) -> str | None:
     slot_mb = nvme["slot_bytes"] / 1e6
     sizes = "; ".join(f"{x['slots']} slots ({x['slots'] * slot_mb:.1f} MB): {x['gb_per_s']:.2f} GB/s over "
                       f"{x['bursts']} bursts" for x in rates)
-    return (f"NVMe loads in the chat, read runs (chosen from their own rates): {nvme['read_run_slots']} slots now; "
-            f"{sizes}")
+    how = "chosen from their own rates" if len(rates) > 1 else "one size, KVSTRATA_NVME_READ_RUN_KB"
+    return f"NVMe loads in the chat, read runs ({how}): {nvme['read_run_slots']} slots now; {sizes}"
 
 
 def format_admission(r: AdmissionReport) -> str:
