@@ -43,7 +43,7 @@ def hf_reference():
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
-    from kvstrata.cluster.bench.throughput import load_hf_model
+    from kvstrata.cluster.bench.hf_baseline import load_hf_model
     from kvstrata.worker.model_source import resolve_model
 
     src = resolve_model("smollm2-135m")

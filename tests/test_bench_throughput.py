@@ -72,7 +72,7 @@ def test_bench_throughput_cli_tiny(tmp_path, capsys, monkeypatch, hf_reference):
     """The command end to end in this process. Its HF baseline is the session's copy of the model
     (conftest loads it with the bench's own load_hf_model): loading the GGUF through transformers
     once more took most of this test's time."""
-    import kvstrata.cluster.bench.throughput as throughput
+    import kvstrata.cluster.bench.hf_baseline as hf_baseline
     from kvstrata.cluster.cli import main
 
     asked = []
@@ -81,7 +81,7 @@ def test_bench_throughput_cli_tiny(tmp_path, capsys, monkeypatch, hf_reference):
         asked.append((model, dtype))
         return hf_reference[1]
 
-    monkeypatch.setattr(throughput, "load_hf_model", session_copy)
+    monkeypatch.setattr(hf_baseline, "load_hf_model", session_copy)
     out = tmp_path / "tp.json"
     assert main(["bench", "throughput", "--workload", "random", "--num-requests", "2",
                  "--baseline", "hf", "--hf-modes", "generate", "--no-bound", "--stages", "--json", str(out)]) == 0
@@ -107,10 +107,11 @@ def test_bench_throughput_cli_tiny(tmp_path, capsys, monkeypatch, hf_reference):
 
 def test_bench_throughput_samples_when_asked(tmp_path, capsys, monkeypatch, hf_reference):
     """--temperature and --top-p reach both engines: kvstrata's seeded requests, and HF's generate."""
+    import kvstrata.cluster.bench.hf_baseline as hf_baseline
     import kvstrata.cluster.bench.throughput as throughput
     from kvstrata.cluster.cli import main
 
-    monkeypatch.setattr(throughput, "load_hf_model", lambda model, dtype: hf_reference[1])
+    monkeypatch.setattr(hf_baseline, "load_hf_model", lambda model, dtype: hf_reference[1])
     hf_calls = []
     generate = hf_reference[1].generate
 

@@ -329,10 +329,10 @@ def test_the_request_with_most_output_to_go_drafts_first(llm):
 
 @pytest.mark.slow
 def test_bench_speculative_against_hf_prompt_lookup(llm, hf_reference, tmp_path, monkeypatch):
-    from kvstrata.cluster.bench import speculative, throughput
+    from kvstrata.cluster.bench import hf_baseline, speculative
     from kvstrata.cluster.cli import main
 
-    monkeypatch.setattr(throughput, "load_hf_model", lambda model, dtype: hf_reference[1])
+    monkeypatch.setattr(hf_baseline, "load_hf_model", lambda model, dtype: hf_reference[1])
     out = tmp_path / "spec.json"
     assert main(["bench", "speculative", "--num-prompts", "3", "--max-tokens", "12", "--rounds", "1",
                  "--baseline", "hf", "--json", str(out)]) == 0

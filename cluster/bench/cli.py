@@ -159,15 +159,8 @@ def _add_throughput(bench_sub) -> None:
 
 
 def run_throughput_cmd(args: argparse.Namespace) -> int:
-    from kvstrata.cluster.bench.throughput import (
-        Decoding,
-        ThroughputReport,
-        format_report,
-        load_hf_model,
-        run_hf_continuous,
-        run_hf_static,
-        run_kvstrata,
-    )
+    from kvstrata.cluster.bench.hf_baseline import load_hf_model, run_hf_continuous, run_hf_static
+    from kvstrata.cluster.bench.throughput import Decoding, ThroughputReport, format_report, run_kvstrata
     from kvstrata.cluster.bench.step_stages import StageClock
     from kvstrata.cluster.bench.workloads import WORKLOADS
     from kvstrata.worker.llm import LLM

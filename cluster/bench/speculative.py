@@ -254,9 +254,9 @@ def run_speculative_cmd(args: argparse.Namespace) -> int:
     finally:
         llm.close()
     if args.baseline == "hf":
-        from kvstrata.cluster.bench import throughput
+        from kvstrata.cluster.bench import hf_baseline
 
-        hf = throughput.load_hf_model(args.model, args.dtype)
+        hf = hf_baseline.load_hf_model(args.model, args.dtype)
         report.hf = bench_hf(hf, ids, prompts, args.speculative_tokens, args.max_tokens, args.rounds)
     same = all(r.identical for r in report.alone + [report.batch])
     lines = format_report(report)
