@@ -144,7 +144,8 @@ class RouterActor:
 
         self.name = ROUTER_NAME.format(index)
         if redis is not None:
-            from kvstrata.router.redis_index import IndexFollower, RedisSettings
+            from kvstrata.router.index_follower import IndexFollower
+            from kvstrata.router.redis_index import RedisSettings
 
             self.index = IndexFollower(RedisSettings(**redis)).start()
         else:

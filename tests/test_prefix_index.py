@@ -147,7 +147,7 @@ def _publisher(settings, worker_id: str, **kw):
 
 
 def _follower(settings, **kw):
-    from kvstrata.router.redis_index import IndexFollower
+    from kvstrata.router.index_follower import IndexFollower
 
     f = IndexFollower(settings, block_ms=50, liveness_interval_s=0.1, **kw).start()
     assert f.wait_synced()
@@ -272,7 +272,7 @@ def test_auth_and_key_prefixes(tmp_path):
         assert f.match(H[:2]) == {"w0": WorkerMatch(2, 0, 0)}
         other = _follower(_settings(server, prefix="other", password="s3cret"))
         assert other.match(H[:2]) == {}  # another deployment's prefix sees nothing
-        from kvstrata.router.redis_index import IndexFollower
+        from kvstrata.router.index_follower import IndexFollower
 
         denied = IndexFollower(_settings(server)).start()  # no password
         assert not denied.wait_synced(timeout=1.0) and denied.counters.failures > 0
