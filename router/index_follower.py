@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvstrata.protos.v1 import kv_events_pb2 as ev
+from kvstrata.router.background import BackgroundLoop
 from kvstrata.router.events import decode_batch, decode_entry
 from kvstrata.router.index import PrefixIndex, WorkerMatch
 from kvstrata.router.redis_index import STREAM_FIELD, Backoff, RedisSettings, redis_errors
@@ -34,7 +35,7 @@ class FollowerCounters:
     failures: int = 0  # Redis errors
 
 
-class IndexFollower:
+class IndexFollower(BackgroundLoop):
     """A router's mirror of the shared index, kept current from Redis by a background thread."""
 
     def __init__(self, settings: RedisSettings, block_ms: int = 200, liveness_interval_s: float = 1.0,
@@ -50,19 +51,16 @@ class IndexFollower:
         self._lock = threading.Lock()
         self._client = settings.client()
         self._synced = False
-        self._stop = threading.Event()
         self._last_liveness = 0.0
         self.counters = FollowerCounters()
-        self._thread = threading.Thread(target=self._run, name="kvstrata-index-follower", daemon=True)
+        self._init_loop("kvstrata-index-follower")
 
     def start(self) -> IndexFollower:
         self._thread.start()
         return self
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+        self._stop_loop()
         self._client.close()
 
     @property

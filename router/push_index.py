@@ -14,6 +14,7 @@ import uuid
 from typing import Callable
 
 from kvstrata.protos.v1 import kv_events_pb2 as ev
+from kvstrata.router.background import BackgroundLoop
 from kvstrata.router.events import EventRecorder, decode_batch, encode_batch
 from kvstrata.router.index import TIERS, PrefixIndex, WorkerMatch
 from kvstrata.worker.block_hash import HASH_SPEC_VERSION
@@ -21,7 +22,7 @@ from kvstrata.worker.block_hash import HASH_SPEC_VERSION
 log = logging.getLogger(__name__)
 
 
-class PushPublisher:
+class PushPublisher(BackgroundLoop):
     """A worker's side: drains its recorder every interval and hands each batch to `send`."""
 
     def __init__(self, worker_id: str, recorder: EventRecorder, send: Callable[[bytes], None],
@@ -34,8 +35,7 @@ class PushPublisher:
         self.mine = PrefixIndex()
         self._sequence = 0
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"kvstrata-kv-push-{worker_id}", daemon=True)
+        self._init_loop(f"kvstrata-kv-push-{worker_id}")
 
     def start(self) -> PushPublisher:
         self.resend_state()
@@ -43,9 +43,7 @@ class PushPublisher:
         return self
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+        self._stop_loop()
         self.publish()
 
     def publish(self) -> None:

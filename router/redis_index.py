@@ -30,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 
 from kvstrata.protos.v1 import kv_events_pb2 as ev
+from kvstrata.router.background import BackgroundLoop
 from kvstrata.router.events import EventRecorder, encode_batch, encode_entry
 from kvstrata.router.index import PrefixIndex
 from kvstrata.worker.block_hash import HASH_SPEC_VERSION
@@ -107,7 +108,7 @@ class Backoff:
 
 # -- the worker side --------------------------------------------------------------------------------
 
-class KVEventPublisher:
+class KVEventPublisher(BackgroundLoop):
     """Publishes one worker's recorded events to Redis from a background thread."""
 
     def __init__(self, settings: RedisSettings, worker_id: str, recorder: EventRecorder,
@@ -128,12 +129,11 @@ class KVEventPublisher:
         self._sequence = 0
         self._synced = False  # P:blocks:<worker> matches `mine` (else rewrite it whole)
         self._client = settings.client()
-        self._stop = threading.Event()
         self._wake = threading.Event()
         self._last_heartbeat = 0.0
         self._loops = 0  # passes of the thread, for flush
         self.num_batches = self.num_failures = 0
-        self._thread = threading.Thread(target=self._run, name=f"kvstrata-kv-events-{worker_id}", daemon=True)
+        self._init_loop(f"kvstrata-kv-events-{worker_id}")
 
     def start(self) -> KVEventPublisher:
         self._thread.start()
@@ -157,10 +157,7 @@ class KVEventPublisher:
 
     def close(self, unregister: bool = True) -> None:
         """Stop; with unregister, remove this worker from the index (a clean shutdown)."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+        self._stop_loop(self._wake)
         if unregister:
             s = self.settings
             try:
