@@ -15,12 +15,12 @@ from kvstrata.cluster.bench.routing import (
     RoutingReport,
     RoutingSettings,
     RoutingSim,
-    TimeModel,
     oracle_hit_rate,
     policy_params,
     run_routing_bench,
 )
 from kvstrata.cluster.bench.block_cache import TieredBlockCache
+from kvstrata.cluster.bench.sim_worker import TimeModel
 from kvstrata.cluster.bench.trace import find_trace, load_trace
 from kvstrata.cluster.cli import main
 from kvstrata.router.placement import POLICIES, make_policy
