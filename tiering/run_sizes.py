@@ -33,6 +33,7 @@ WINDOW = 16  # a size's rate is over its last this many timed bursts
 class _Size:
     slots: int
     tried: int = 0  # timed bursts picked with this size (their records may still be on their way)
+    explored_at: int = 0  # the pick that last took this size although another was faster
     samples: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))  # (bytes, seconds)
 
     def rate(self) -> float:
@@ -52,7 +53,6 @@ class RunSizeChooser:
         self._sizes = [_Size(n) for n in slots]
         self._lock = threading.Lock()
         self._picked = 0  # timed bursts picked since every size had MIN_SAMPLES
-        self._last_tried: dict[int, int] = {}  # slots -> the pick that last explored it
 
     @property
     def candidates(self) -> list[int]:
@@ -72,9 +72,8 @@ class RunSizeChooser:
                 self._picked += 1
                 chosen = self._best()
                 if len(self._sizes) > 1 and self._picked % EXPLORE_EVERY == 0:  # the other size tried longest ago
-                    chosen = min((s for s in self._sizes if s is not chosen),
-                                 key=lambda s: self._last_tried.get(s.slots, 0))
-                    self._last_tried[chosen.slots] = self._picked
+                    chosen = min((s for s in self._sizes if s is not chosen), key=lambda s: s.explored_at)
+                    chosen.explored_at = self._picked
             chosen.tried += 1
             return chosen.slots
 
