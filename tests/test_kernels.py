@@ -450,6 +450,25 @@ def test_bf16_norms_and_silu_gate_round_where_hf_rounds(rows):
 
 
 @needs_kernels
+def test_a_bf16_silu_gate_stores_every_nan_as_torch_does():
+    """A NaN in the gate or the up projection, of either sign, comes out as bf16's quiet NaN 0x7fc0
+    (torch's float-to-bf16 conversion), in a row's whole vectors and in its last few values alike."""
+    inter = 37  # two or four whole vectors and a tail of 5, whatever the vector width
+    gate_up = torch.randn(3, 2 * inter, generator=torch.Generator().manual_seed(0)).bfloat16()
+    raw = gate_up.view(torch.int16)  # NaNs set by their bits: torch would store any NaN as 0x7fc0
+    neg_nan, pos_nan = 0xFFC1 - 0x10000, 0x7F81  # a signed quiet NaN; a signalling one
+    for col in (0, 9, 17, inter - 1):  # a vector's first lanes and the tail
+        raw[0, col] = neg_nan
+        raw[1, col] = pos_nan
+        raw[2, inter + col] = neg_nan  # the up projection's
+    got = KERNELS.silu_mul(gate_up)
+    bits = got.view(torch.int16).to(torch.int32) & 0xFFFF
+    is_nan = got.float().isnan()
+    assert is_nan.sum() == 12 and (bits[is_nan] == 0x7FC0).all(), [hex(b) for b in bits[is_nan].tolist()]
+    assert torch.tensor(-float("nan")).bfloat16().view(torch.int16) == 0x7FC0  # what torch stores
+
+
+@needs_kernels
 @pytest.mark.parametrize("inter", [1536, 1541, 7])
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_float32_silu_gate_stays_within_a_few_ulps_of_the_exact_value(rows, inter):

@@ -149,11 +149,13 @@ static inline __attribute__((always_inline)) vf round_bf16v(vf v) {
     return selectv(v != v, v, (vf)r);
 }
 
-/* ... and stored as bf16: the high halves of the rounded lanes. */
+/* ... and stored as bf16: the high halves of the rounded lanes, a NaN as the quiet NaN 0x7fc0 (as
+ * to_bf16 and torch store it; its own high half could read as an infinity, or keep its sign). */
 static inline __attribute__((always_inline)) void store_bf16v(uint16_t *dst, vf v) {
     typedef uint32_t vu __attribute__((vector_size(4 * VW)));
     typedef uint16_t vh __attribute__((vector_size(2 * VW)));
-    vh h = __builtin_convertvector((vu)round_bf16v(v) >> 16, vh);
+    vu u = (vu)selectv(v != v, (vf)((vu){0} + 0x7fc00000u), round_bf16v(v));
+    vh h = __builtin_convertvector(u >> 16, vh);
     memcpy(dst, &h, sizeof h);
 }
 
