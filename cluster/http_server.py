@@ -4,7 +4,7 @@ with `stream: true` as server-sent events, /v1/models, /health and /metrics. A t
 
 Request bodies are validated strictly: an unknown field, a value of the wrong type or malformed JSON
 is HTTP 400 with an OpenAI-style error body whose `param` names the field. Overload is 429, a
-draining server 503, a missing or wrong API key 401.
+draining server 503, a missing or wrong API key 401 (http_errors.py maps each error to its answer).
 """
 
 from __future__ import annotations
@@ -16,71 +16,24 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvstrata.cluster.engine_service import (
-    Delta,
-    Draining,
-    EngineFailed,
-    EngineService,
-    Overloaded,
-    StreamItem,
-    chat_cache_pins,
-)
-from kvstrata.cluster.http_runs import ClientGone, Runs, unless_disconnected
+from kvstrata.cluster.engine_service import Delta, EngineFailed, EngineService, StreamItem, chat_cache_pins
+from kvstrata.cluster.http_errors import BodyLimit, answer_errors
+from kvstrata.cluster.http_runs import Runs, unless_disconnected
 from kvstrata.cluster.metrics import CONTENT_TYPE, ServingMetrics
 from kvstrata.cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     CommonRequest,
-    bad_request,
     check_unicode,
     error_response,
-    validation_error,
 )
-from kvstrata.cluster.tenants import PermissionDenied, Tenant, TenantAuth, Unauthenticated, bearer_token
+from kvstrata.cluster.tenants import Tenant, TenantAuth, bearer_token
 from kvstrata.worker.sampling_params import SamplingParams
 
 WORKER_HEADER = "x-kvstrata-worker"  # in a cluster: the worker(s) that served the request
 MAX_BODY_BYTES = 16 << 20  # as the gRPC message cap
-
-
-class _BodyLimit:
-    """ASGI middleware: a request body over `limit` bytes is 413, by its Content-Length or, for a
-    chunked body, as soon as the bytes read pass the limit."""
-
-    def __init__(self, app: Any, limit: int):
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or ()).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            response = error_response(413, f"request body: over {self.limit} bytes", "invalid_request_error")
-            return await response(scope, receive, send)
-        seen = 0
-        refused = False
-
-        async def limited_receive() -> dict:
-            nonlocal seen, refused
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit and not refused:
-                refused = True  # answer 413 now; the app sees the client leave and its own answer is dropped
-                response = error_response(413, f"request body: over {self.limit} bytes", "invalid_request_error")
-                await response(scope, receive, send)
-                return {"type": "http.disconnect"}
-            return message
-
-        async def guarded_send(message: dict) -> None:
-            if not refused:
-                await send(message)
-
-        await self.app(scope, limited_receive, guarded_send)
 
 
 @dataclass
@@ -388,44 +341,8 @@ class OpenAIServer:
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="kvstrata", version="1", summary="OpenAI-compatible API of a kvstrata server")
-        app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
-
-        @app.exception_handler(RequestValidationError)
-        async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-            return validation_error(exc)
-
-        @app.exception_handler(StarletteHTTPException)
-        async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-            kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-            return error_response(exc.status_code, str(exc.detail), kind, headers=exc.headers)
-
-        @app.exception_handler(ValueError)
-        async def on_value_error(request: Request, exc: ValueError) -> JSONResponse:
-            return bad_request(str(exc))
-
-        @app.exception_handler(Unauthenticated)
-        async def on_unauthenticated(request: Request, exc: Unauthenticated) -> JSONResponse:
-            return error_response(401, str(exc), "authentication_error", headers={"WWW-Authenticate": "Bearer"})
-
-        @app.exception_handler(PermissionDenied)
-        async def on_denied(request: Request, exc: PermissionDenied) -> JSONResponse:
-            return error_response(403, str(exc), "permission_error")
-
-        @app.exception_handler(Overloaded)
-        async def on_overloaded(request: Request, exc: Overloaded) -> JSONResponse:
-            return error_response(429, str(exc), "overloaded_error", headers={"Retry-After": "1"})
-
-        @app.exception_handler(Draining)
-        async def on_draining(request: Request, exc: Draining) -> JSONResponse:
-            return error_response(503, str(exc), "unavailable_error", headers={"Retry-After": "5"})
-
-        @app.exception_handler(EngineFailed)
-        async def on_engine_failed(request: Request, exc: EngineFailed) -> JSONResponse:
-            return error_response(503, str(exc), "unavailable_error", headers={"Retry-After": "5"})
-
-        @app.exception_handler(ClientGone)
-        async def on_gone(request: Request, exc: ClientGone) -> Response:
-            return Response(status_code=499)
+        app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+        answer_errors(app)
 
         # the key is checked (a dependency) before the body is validated
         tenant_dep = Depends(self._tenant)
