@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -221,14 +224,18 @@ def test_decode_gives_the_same_bits_with_keys_pulled_ahead_or_not(monkeypatch, d
 
 
 @pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+@pytest.mark.parametrize("stream_kb", [None, 1, 12, 1024])
 @pytest.mark.parametrize("tasks", ["sequences", "chunks", "heads"])
-def test_float32_decode_prefetches_every_row_it_reads_once(tasks):
+def test_float32_decode_prefetches_every_row_it_reads_once(tasks, stream_kb):
     """With keys pulled ahead, float32 tasks of all KV heads (whole sequences in a large batch, single
     chunks in a smaller one) prefetch their rows in the order the passes read them, and a thread's
     stream carries the rows of its next chunk it has already prefetched over to that chunk's stream
-    (csrc/dense_decode.c's Stream): each key and value row of every context is prefetched exactly once.
-    Tasks of one KV head (a lone sequence), bf16 rows, and no pull-ahead keep the block prefetches."""
+    (csrc/dense_decode.c's Stream): each key and value row of every context is prefetched exactly once,
+    however far ahead the stream runs (the kernel's default; 1 KB, not even a row ahead; 12 KB; 1 MB,
+    past every context). Tasks of one KV head (a lone sequence), bf16 rows, and no pull-ahead keep the
+    block prefetches."""
     lib = KERNELS._lib
+    stream = lib.kvs_decode_set_stream_bytes(0 if stream_kb is None else stream_kb << 10)
     threads = lib.omp_get_max_threads()  # the tasks follow the kernel's threads (csrc/paged_attention.c)
     batch = {"sequences": 4 * threads, "chunks": 2 * threads, "heads": 1}[tasks]
     gen = torch.Generator().manual_seed(batch)
@@ -254,9 +261,47 @@ def test_float32_decode_prefetches_every_row_it_reads_once(tasks):
     finally:
         lib.kvs_decode_set_key_ahead(default)
         lib.kvs_decode_set_shared_owners(owners)
+        lib.kvs_decode_set_stream_bytes(stream)
     assert rows == (0 if tasks == "heads" else 2 * int(seq_lens.sum()))
     assert bf16_rows == 0 and unahead_rows == 0
     assert torch.equal(streamed, blocks)
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+def test_decode_streams_12_kb_ahead_on_amd_family_17h_else_32_unless_set(monkeypatch):
+    """The float32 stream runs 12 KB ahead on AMD family 17h (Zen 1 and 2, whose prefetches all fill
+    L1), else 32 KB; KVSTRATA_DECODE_STREAM_KB sets it when the kernels load (1 to 1024 KiB, anything
+    else an error naming it). Outputs are the same bits at any distance."""
+    from kvstrata.worker.cpu_kernels import CpuKernels
+
+    lib = KERNELS._lib
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in info.splitlines()[:12] if ":" in line)}
+    family_17h = fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "23"
+    default = lib.kvs_decode_set_stream_bytes(0)
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert default == (12 << 10 if family_17h else 32 << 10)
+    gen = torch.Generator().manual_seed(3)
+    h, h_kv, d, block, batch = 9, 3, 64, 16, 12
+    k_cache = torch.randn(96, block, h_kv, d, generator=gen)
+    v_cache = torch.randn(96, block, h_kv, d, generator=gen)
+    table = torch.randperm(96, generator=gen)[:48].repeat(batch, 1)
+    seq_lens = torch.randint(1, 48 * block, (batch,), generator=gen)
+    q = torch.randn(batch, h, d, generator=gen)
+    outs = []
+    try:
+        for value in ("1", "12", "1024"):
+            monkeypatch.setenv("KVSTRATA_DECODE_STREAM_KB", value)
+            assert CpuKernels(lib).decode_stream_bytes == int(value) << 10
+            outs.append(KERNELS.paged_decode(q, k_cache, v_cache, table, seq_lens, d ** -0.5))
+        for bad in ("0", "1025", "12k", "-4"):
+            monkeypatch.setenv("KVSTRATA_DECODE_STREAM_KB", bad)
+            with pytest.raises(ValueError, match="KVSTRATA_DECODE_STREAM_KB"):
+                CpuKernels(lib)
+    finally:
+        lib.kvs_decode_set_stream_bytes(default)
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.skipif(KERNELS is None, reason="no C compiler")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.worker.block_kernels import BlockKernels
-from kvstrata.worker.gemm_tuning import GemmTuning, switch_env
+from kvstrata.worker.gemm_tuning import GemmTuning, stream_env, switch_env
 from kvstrata.worker.kernel_build import build, find_compiler
 from kvstrata.worker.kernel_signatures import declare
 
@@ -58,6 +58,12 @@ class CpuKernels(GemmTuning, BlockKernels):
         if ahead is not None:
             lib.kvs_decode_set_key_ahead(int(ahead))
         self.key_ahead = bool(lib.kvs_decode_set_key_ahead(-1))  # -1 leaves it, returning it
+        # how far ahead float32 rows are streamed where keys are pulled ahead: 32 KB, 12 KB on AMD
+        # family 17h (Zen 1 and 2), whose prefetches all fill L1; KVSTRATA_DECODE_STREAM_KB sets it
+        stream_kb = stream_env()
+        if stream_kb is not None:
+            lib.kvs_decode_set_stream_bytes(stream_kb << 10)
+        self.decode_stream_bytes = lib.kvs_decode_set_stream_bytes(0)  # 0 leaves it, returning it
         self._sample_scratch = threading.local()  # kvs_sample_f32's room, kept between calls, one per thread
         # whether crc32 beats zlib's here (carry-less multiplies); without, the same values, slower
         self.crc32_fast = bool(lib.kvs_crc32_fast())

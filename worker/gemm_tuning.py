@@ -27,6 +27,17 @@ def switch_env(name: str) -> bool | None:
     return None if value is None else value == "1"
 
 
+def stream_env() -> int | None:
+    """KVSTRATA_DECODE_STREAM_KB: how far ahead (KiB, 1 to 1024) decode attention streams float32
+    rows; None where unset (the kernel's own choice), anything else an error naming it."""
+    value = os.environ.get("KVSTRATA_DECODE_STREAM_KB")
+    if value is None:
+        return None
+    if not value.isdigit() or not 1 <= int(value) <= 1024:
+        raise ValueError(f"KVSTRATA_DECODE_STREAM_KB must be a whole number of KiB from 1 to 1024, not {value!r}")
+    return int(value)
+
+
 class GemmTuning:
     """The timed choices, for a class that has the kernels' `_lib`, `gemm_group`, `amx`, `bf16_dot`,
     `gemm` and `gemm_silu` (CpuKernels). Each choice is None until made, then kept."""

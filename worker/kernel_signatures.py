@@ -52,6 +52,8 @@ def declare(lib: ctypes.CDLL) -> None:
     # a block several sequences share is prefetched by the first of them only (tests, benchmarks)
     lib.kvs_decode_set_shared_owners.argtypes = [ctypes.c_int]
     lib.kvs_decode_set_shared_owners.restype = ctypes.c_int
+    lib.kvs_decode_set_stream_bytes.argtypes = [ctypes.c_int64]  # how far ahead float32 decodes stream
+    lib.kvs_decode_set_stream_bytes.restype = ctypes.c_int64
     lib.kvs_decode_stream_rows.argtypes = []  # rows float32 decodes streamed since the last call (tests)
     lib.kvs_decode_stream_rows.restype = ctypes.c_int64
     lib.kvs_prefill_set_pairs.argtypes = [ctypes.c_int]  # prefill attention tiles in pairs on/off

@@ -53,7 +53,7 @@ static int64_t chunk_tokens(int64_t num_heads, int64_t bs) {
 
 /* The rows a task of all heads reads, in the order it reads them: its chunk's key rows, the same
  * rows' values, then the key and value rows of the chunk it takes next. The passes prefetch them
- * STREAM_BYTES ahead of where they read (stream_upto), so memory is asked for at the pace it is
+ * stream_bytes ahead of where they read (stream_upto), so memory is asked for at the pace it is
  * read, in both passes; the rows of the next chunk it has prefetched a thread carries over to that
  * chunk's stream (stream_start), which skips them.
  *
@@ -66,6 +66,27 @@ static int64_t chunk_tokens(int64_t num_heads, int64_t bs) {
  * about the same; 128-256 KB slower). bf16 rows, half the bytes a token, gained 0.97-1.07x alone and
  * nothing measurable in steps, so they keep the old prefetches. */
 #define STREAM_BYTES (32 << 10)
+/* Where every software prefetch fills L1, whatever its hint (AMD family 17h: Zen 1 and Zen 2, on
+ * which t0, t1, t2 and nta ran alike), a 32 KB stream runs an L1's worth ahead and evicts rows
+ * before the passes read them: on a 2-core Zen 2 EPYC (32 KB of L1d, K/V of 30 layers from memory,
+ * alternating in one process, nine rounds) 12 KB ahead ran 1.16x faster than 32 at 32 sequences of
+ * 278 tokens, 1.08x at 8 of 214 and 1.15x at 16 of 300 (8 and 16 KB 1.06-1.11x; one sequence of
+ * 1,000 tokens even). Zen 3 hosts measured 2-128 KB within their noise, Zen 4 16-64 KB alike. */
+#define STREAM_BYTES_L1 (12 << 10)
+static int64_t stream_bytes = -1;
+int64_t kvs_decode_set_stream_bytes(int64_t bytes) { /* bytes <= 0 leaves it; returns the setting before */
+    if (stream_bytes < 0) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_cpu_init();
+        stream_bytes = __builtin_cpu_is("amdfam17h") ? STREAM_BYTES_L1 : STREAM_BYTES;
+#else
+        stream_bytes = STREAM_BYTES;
+#endif
+    }
+    int64_t was = stream_bytes;
+    if (bytes > 0) stream_bytes = bytes;
+    return was;
+}
 
 /* For each block id a call's tables use, the first sequence in the batch that holds it (see
  * stream_block; entries for ids no table uses are never read), and which sequences are done. */
@@ -156,7 +177,7 @@ static inline void stream_start(Stream *st, const void *k_cache, const void *v_c
                                 int64_t bs, int64_t row_bytes, int64_t carry, const Owners *owners) {
     *st = (Stream){.cache = {k_cache, v_cache, k_cache, v_cache}, .table = {table, table, nx_table, nx_table},
                    .rows = {t, t, nx_t, nx_t}, .first = {ib0, ib0, nx_ib0, nx_ib0}, .bs = bs, .row_bytes = row_bytes,
-                   .dist = STREAM_BYTES / row_bytes > 0 ? STREAM_BYTES / row_bytes : 1, .owners = owners};
+                   .dist = stream_bytes / row_bytes > 0 ? stream_bytes / row_bytes : 1, .owners = owners};
     st->skipped = st->issued = carry < 2 * t ? carry : 2 * t;
     if (st->issued > t) stream_seek(st, 1, st->issued - t);
     else stream_seek(st, 0, st->issued);
@@ -679,7 +700,8 @@ void kvs_dense_decode(const void *q, int64_t q_stride, const void *k_cache, cons
                       const RowFormat *f, int by_sequence, int bf16_io) {
     size_t q_elem = bf16_io ? 2 : 4, out_row = (size_t)(num_heads * d) * (bf16_io ? 2 : 4);
     int64_t ct = chunk_tokens(num_heads, bs), pf = partial_floats(num_heads, d);
-    kvs_decode_set_key_ahead(-1); /* decided before the threads read it */
+    kvs_decode_set_key_ahead(-1); /* decided before the threads read them */
+    kvs_decode_set_stream_bytes(0);
     int64_t *first = malloc((size_t)(batch + 1) * sizeof *first); /* sequence b's chunks: first[b] .. first[b + 1] */
     first[0] = 0;
     for (int64_t b = 0; b < batch; b++) first[b + 1] = first[b] + (seq_lens[b] + ct - 1) / ct;
