@@ -713,6 +713,31 @@ def test_row_tiles_taking_turns_on_a_group_give_the_same_bits():
 
 
 @needs_kernels
+def test_small_blocks_prefetching_from_their_first_tile_only_give_the_same_bits():
+    """In float32 blocks of 2-4 row tiles that do not take turns, only the first tile prefetches the
+    group ahead of its loads (as larger blocks do) by default in AVX2 builds (24-column groups), or
+    every tile: prefetches change when bytes arrive, so every product is the same bits either way,
+    at every row count from one tile to several blocks, and matches torch."""
+    gen = torch.Generator().manual_seed(31)
+    x = torch.randn(70, 200, generator=gen)
+    raw = {k: torch.randn(100, k, generator=gen) for k in (64, 200)}
+    packed = {k: KERNELS.pack(w) for k, w in raw.items()}
+    shapes = [(m, k) for m in (1, 4, 5, 8, 12, 13, 16, 20, 32, 70) for k in raw]
+    default = KERNELS._lib.kvs_gemm_set_lead_ahead(-1)
+    assert default == (KERNELS.gemm_group == 24)
+    try:
+        outs = {}
+        for on in (0, 1):
+            assert KERNELS._lib.kvs_gemm_set_lead_ahead(on) in (0, 1)
+            outs[on] = [KERNELS.gemm(x[:m, :k].contiguous(), packed[k], None) for m, k in shapes]
+    finally:
+        KERNELS._lib.kvs_gemm_set_lead_ahead(default)
+    assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
+    for got, (m, k) in zip(outs[1], shapes):
+        torch.testing.assert_close(got, F.linear(x[:m, :k], raw[k]), rtol=1e-4, atol=1e-4 * k ** 0.5)
+
+
+@needs_kernels
 def test_row_panels_give_the_same_bits():
     """From two blocks of rows on, the GEMM's tasks run group by group within panels of blocks (as
     many as half the L2 holds of x) instead of block by block, or only a short last block shares a

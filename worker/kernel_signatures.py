@@ -45,6 +45,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.kvs_gemm_set_row_panels.restype = None
     lib.kvs_gemm_set_two_groups.argtypes = [ctypes.c_int]  # one row, two groups at a time, where built
     lib.kvs_gemm_set_two_groups.restype = ctypes.c_int
+    lib.kvs_gemm_set_lead_ahead.argtypes = [ctypes.c_int]  # small float32 blocks: the first tile prefetches
+    lib.kvs_gemm_set_lead_ahead.restype = ctypes.c_int
     lib.kvs_gemm_set_wide_copy.argtypes = [ctypes.c_int]  # widened bf16 through a float32 copy a group
     lib.kvs_gemm_set_wide_copy.restype = ctypes.c_int
     lib.kvs_decode_set_key_ahead.argtypes = [ctypes.c_int]

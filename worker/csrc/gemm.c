@@ -486,6 +486,18 @@ static const float *widened_group(const uint16_t *wp, int64_t g, int64_t k) {
 static int turns_on = VW == 16;
 void kvs_gemm_set_turns(int on) { turns_on = on; } /* tests and benchmarks */
 
+/* Whether, in float32 blocks of 2-4 row tiles that do not take turns, only the first tile prefetches
+ * the group ahead of its loads, as in larger blocks (block_group): on by default in AVX2 builds,
+ * whose 4-row tiles have no turns. On a 2-core Zen 2 EPYC (SmolLM2's products from memory, one
+ * process, alternating, nine rounds) 1.04-1.05x faster at 14-16 rows, even at 8-12 and 20; on a
+ * Zen 3 EPYC 0.94-1.09x at 6-16 rows (an earlier session's scratch setter), even. */
+static int lead_ahead = VW == 8;
+int kvs_gemm_set_lead_ahead(int on) { /* tests and benchmarks; on < 0 leaves it; returns the setting before */
+    int was = lead_ahead;
+    if (on >= 0) lead_ahead = on != 0;
+    return was;
+}
+
 /* Whether a float32 block of `tiles` row tiles runs a group in turns (see TURN_K). */
 static inline __attribute__((always_inline)) int in_turns(int mode, int64_t tiles, int ncols, int ahead) {
     return mode == 0 && tiles >= 2 && tiles <= TURN_TILES && ncols == NR && ahead && turns_on;
@@ -571,8 +583,8 @@ static inline __attribute__((always_inline)) void block_group(const void *x, con
      * the group ahead of its loads: the others find it in L2, where their prefetches only took issue
      * slots. On a 2-core Xeon (AMX, AVX-512; one process, alternating) prompts of 256, 512 and 1,024
      * tokens went 1.058x, 1.025x and 1.047x faster; 9-32 rows (turns, or tiles tuned off them on
-     * other hosts) and bf16 weights are as they were. */
-    int first_tile_ahead = mode == 0 && tiles > TURN_TILES;
+     * other hosts) and bf16 weights are as they were; smaller blocks follow lead_ahead. */
+    int first_tile_ahead = mode == 0 && (tiles > TURN_TILES || lead_ahead);
     const float *wide = mode == 1 && tiles >= WIDE_MIN_TILES && wide_copy_on ? widened_group(wp, g, k) : NULL;
     if (in_turns(mode, tiles, ncols, ahead)) {
         /* tile t of a turn prefetches its share of the weights TURN_AHEAD turns on (into `after` at the
