@@ -66,9 +66,9 @@ static int64_t chunk_tokens(int64_t num_heads, int64_t bs) {
  * about the same; 128-256 KB slower). bf16 rows, half the bytes a token, gained 0.97-1.07x alone and
  * nothing measurable in steps, so they keep the old prefetches. */
 #define STREAM_BYTES (32 << 10)
-/* Where every software prefetch fills L1, whatever its hint (AMD family 17h: Zen 1 and Zen 2, on
- * which t0, t1, t2 and nta ran alike), a 32 KB stream runs an L1's worth ahead and evicts rows
- * before the passes read them: on a 2-core Zen 2 EPYC (32 KB of L1d, K/V of 30 layers from memory,
+/* Where software prefetches fill L1 whatever their hint (AMD family 17h, Zen 1 and Zen 2: on a Zen 2
+ * EPYC t0, t1, t2 and nta ran alike; Zen 1 not measured), a 32 KB stream runs an L1's worth ahead
+ * and evicts rows before the passes read them: on a 2-core Zen 2 EPYC (32 KB of L1d, K/V of 30 layers from memory,
  * alternating in one process, nine rounds) 12 KB ahead ran 1.16x faster than 32 at 32 sequences of
  * 278 tokens, 1.08x at 8 of 214 and 1.15x at 16 of 300 (8 and 16 KB 1.06-1.11x; one sequence of
  * 1,000 tokens even). Zen 3 hosts measured 2-128 KB within their noise, Zen 4 16-64 KB alike. */
