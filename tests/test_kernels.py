@@ -963,13 +963,15 @@ def test_widened_bf16_blocks_give_the_same_bits_with_or_without_a_float32_copy()
             x = torch.randn(70, k, generator=gen)
             for m in (8, 16, 20, 32, 40, 64, 70):
                 outs = []
-                for on in (0, 1):
+                for on, tiles in ((0, 4), (1, 4), (1, 7)):  # from 7 tiles: 20 and 40 rows (AVX2) widen in the tiles
                     assert KERNELS._lib.kvs_gemm_set_wide_copy(on) == on
+                    KERNELS._lib.kvs_gemm_set_wide_min_tiles(tiles)
                     outs.append(KERNELS.gemm(x[:m], packed, None))
-                assert torch.equal(outs[0], outs[1]), (n, k, m)
+                assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (n, k, m)
                 torch.testing.assert_close(outs[0], F.linear(x[:m], w.float()), rtol=1e-4, atol=1e-4 * k ** 0.5)
     finally:
         KERNELS._lib.kvs_gemm_set_wide_copy(_process_wide_copy())
+        KERNELS._lib.kvs_gemm_set_wide_min_tiles(KERNELS.wide_copy_tiles or 4)
 
 
 @needs_kernels
@@ -993,9 +995,60 @@ def test_the_wide_copy_is_tuned_or_set_once_per_process(monkeypatch):
         monkeypatch.setattr(fresh, "gemm_silu", lambda x, w: joined.append(w))
         fresh.tune_wide_copy(bf16, rounds=1, joined=bf16[1:2])
         timing = not (KERNELS.amx or KERNELS.bf16_dot)  # only the widening kernel is timed
-        assert joined == ([bf16[1]] * 4 if timing else [])  # both ways, in a settling round and a timed one
+        # both ways, in a settling round and a timed one; at 8 tiles too where the copy lost at 4
+        assert joined in (([bf16[1]] * 4, [bf16[1]] * 8) if timing else ([],))
+        assert len(joined) == (4 if fresh.wide_copy_tiles == 4 else 8) or not timing
     finally:
         KERNELS._lib.kvs_gemm_set_wide_copy(restore)
+        KERNELS._lib.kvs_gemm_set_wide_min_tiles(KERNELS.wide_copy_tiles or 4)
+
+
+def test_the_wide_copy_threshold_is_where_its_gains_cross_zero():
+    """copy_threshold: given what the float32 copy saved a pass at 4 tiles (where it lost, or broke
+    even) and at 8, the fewest tiles a block takes it from: where the line through the two gains
+    crosses zero, rounded up and kept within 5 to 8; None where it did not win at 8 either."""
+    from kvstrata.worker.gemm_tuning import copy_threshold
+
+    assert copy_threshold(-1.0, 3.0) == 5  # crosses at 5
+    assert copy_threshold(-1.0, 1.0) == 6
+    assert copy_threshold(-3.0, 1.0) == 7
+    assert copy_threshold(-3.0, 0.5) == 8  # crosses at 7.43
+    assert copy_threshold(-30.0, 0.1) == 8  # far out: kept at 8, where it did win
+    assert copy_threshold(0.0, 2.0) == 5  # even at 4: from the next tile on
+    assert copy_threshold(-1.0, 0.0) is None and copy_threshold(-1.0, -2.0) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("t4,t8,want", [((1.0, 2.0), None, 4), ((2.0, 1.0), (1.0, 4.0), 5),
+                                        ((2.0, 1.0), (4.5, 4.0), None)])
+def test_the_wide_copy_is_timed_at_8_tiles_where_it_loses_at_4(monkeypatch, t4, t8, want):
+    """tune_wide_copy with the passes' times given (option 1: the copy, 0: without, in seconds):
+    a win at 4 tiles takes the copy from 4 tiles after one timing; a loss there times 8 tiles too,
+    and a win at 8 takes it from where the gains cross (here 5 tiles), set in the kernel; a loss at
+    both turns it off."""
+    from kvstrata.worker.cpu_kernels import CpuKernels
+
+    if KERNELS.amx or KERNELS.bf16_dot:
+        pytest.skip("bf16 weights go to AMX tiles or dot products here: the copy is not timed")
+    monkeypatch.delenv("KVSTRATA_GEMM_WIDE_COPY", raising=False)
+    bf16 = [KERNELS.pack(torch.randn(200, 96).to(torch.bfloat16))]
+    fresh, asked = CpuKernels(KERNELS._lib), []
+    tile_rows = 8 if KERNELS.gemm_group == 48 else 4
+
+    def times(weights, rows, set_option, options, rounds, joined=()):
+        asked.append(rows)
+        return dict(zip((1, 0), t4 if rows == 4 * tile_rows else t8))
+
+    monkeypatch.setattr(fresh, "_time_passes", times)
+    restore = _process_wide_copy()
+    try:
+        assert fresh.tune_wide_copy(bf16) is (want is not None)
+        assert fresh.wide_copy_tiles == want
+        assert asked == ([4 * tile_rows] if t8 is None else [4 * tile_rows, 8 * tile_rows])
+        assert KERNELS._lib.kvs_gemm_set_wide_min_tiles(0) == (want or 4)
+    finally:
+        KERNELS._lib.kvs_gemm_set_wide_copy(restore)
+        KERNELS._lib.kvs_gemm_set_wide_min_tiles(KERNELS.wide_copy_tiles or 4)
 
 
 @needs_kernels

@@ -8,6 +8,7 @@ result: only when bytes arrive, or the order of the same tiles.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,17 @@ def stream_env() -> int | None:
     return int(value)
 
 
+def copy_threshold(gain4: float, gain8: float) -> int | None:
+    """The fewest row tiles from which widened bf16 blocks should multiply a float32 copy, given what
+    the copy saved a pass at 4 tiles (gain4, <= 0: it lost there) and at 8 (gain8): None where it did
+    not win at 8 either, else the tile count (5 to 8) where the line through the two gains crosses
+    zero, rounded up."""
+    if gain8 <= 0:
+        return None
+    cross = 4 + 4 * -gain4 / (gain8 - gain4)
+    return min(8, max(5, math.ceil(cross)))
+
+
 class GemmTuning:
     """The timed choices, for a class that has the kernels' `_lib`, `gemm_group`, `amx`, `bf16_dot`,
     `gemm` and `gemm_silu` (CpuKernels). Each choice is None until made, then kept."""
@@ -46,6 +58,7 @@ class GemmTuning:
     turns: bool | None = None  # set by tune_turns (the C default, on with AVX-512, until then)
     two_groups: bool | None = None  # set by tune_two_groups (the C default, on where built, until then)
     wide_copy: bool | None = None  # set by tune_wide_copy (the C default, on, until then)
+    wide_copy_tiles: int | None = None  # the fewest row tiles a block copies for, where wide_copy is on
     short_panels: bool | None = None  # set by tune_short_panels (the C default, off, until then)
 
     def tune_prefetch(self, weights: list[PackedWeight], rounds: int = 5) -> int:
@@ -123,18 +136,38 @@ class GemmTuning:
         multiply-adds of the same values in the same order. joined: those of `weights` that the model
         multiplies with its SiLU in the same pass (gate_up), timed so (gemm_silu): on a 2-core Zen 4
         EPYC without AVX-512, plain products at 16 rows ran even both ways, while batch-32 bf16 steps
-        with the joined pass took 84.3 ms with the copy and 81.0 without."""
+        with the joined pass took 84.3 ms with the copy and 81.0 without.
+
+        The copy's cost is a block's and its gain a tile's, so where it loses at 4 tiles a pass at 8
+        tiles is timed too; if it wins there, blocks take it from the tile count where the two gains,
+        drawn as a line, cross zero (5 to 8 tiles; wide_copy_tiles). On a 2-core Zen 2 EPYC it ran
+        even at 16 rows (AVX2: 4 tiles) and 1.06-1.20x faster at 20-64 rows, where the timing at 16
+        rows alone had turned it off for all. Set by the variable, or won at 4 tiles: from 4."""
         if self.wide_copy is not None:
             return self.wide_copy
         env = "KVSTRATA_GEMM_WIDE_COPY"
         applies = bool(weights) and weights[0].data.dtype == torch.bfloat16 and not (self.amx or self.bf16_dot)
-        if not applies and switch_env(env) is None:
-            chosen = True  # untimed: the C default stays
+        tiles, value = 4, switch_env(env)
+        if value is not None or not applies:
+            chosen = True if value is None else value  # untimed: as set, or the C default
         else:
             tile_rows = 8 if self.gemm_group == 48 else 4
-            chosen = self._timed_switch(env, applies, weights, 4 * tile_rows, self._lib.kvs_gemm_set_wide_copy,
-                                        "with a widened copy", rounds, joined)
+            set_copy = self._lib.kvs_gemm_set_wide_copy
+            self._lib.kvs_gemm_set_wide_min_tiles(4)
+            t4 = self._time_passes(weights, 4 * tile_rows, set_copy, (1, 0), rounds, joined)
+            chosen = t4[1] < t4[0]
+            t8 = None
+            if not chosen:
+                t8 = self._time_passes(weights, 8 * tile_rows, set_copy, (1, 0), rounds, joined)
+                tiles = copy_threshold(t4[0] - t4[1], t8[0] - t8[1])
+                chosen = tiles is not None
+            log.info("packed GEMM, widened bf16 at %d rows: %.1f ms with a float32 copy, %.1f ms without%s; %s",
+                     4 * tile_rows, t4[1] * 1e3, t4[0] * 1e3,
+                     "" if t8 is None else f"; at {8 * tile_rows} rows {t8[1] * 1e3:.1f} against {t8[0] * 1e3:.1f}",
+                     f"on from {tiles} tiles" if chosen else "off")
         self.wide_copy = bool(self._lib.kvs_gemm_set_wide_copy(int(chosen)))
+        self._lib.kvs_gemm_set_wide_min_tiles(tiles or 4)
+        self.wide_copy_tiles = tiles if self.wide_copy else None
         return self.wide_copy
 
     def tune_short_panels(self, weights: list[PackedWeight], rounds: int = 3, joined: list[PackedWeight] = ()) -> bool:

@@ -49,6 +49,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.kvs_gemm_set_lead_ahead.restype = ctypes.c_int
     lib.kvs_gemm_set_wide_copy.argtypes = [ctypes.c_int]  # widened bf16 through a float32 copy a group
     lib.kvs_gemm_set_wide_copy.restype = ctypes.c_int
+    lib.kvs_gemm_set_wide_min_tiles.argtypes = [ctypes.c_int]  # the fewest row tiles a block copies for
+    lib.kvs_gemm_set_wide_min_tiles.restype = ctypes.c_int
     lib.kvs_decode_set_key_ahead.argtypes = [ctypes.c_int]
     lib.kvs_decode_set_key_ahead.restype = ctypes.c_int
     # a block several sequences share is prefetched by the first of them only (tests, benchmarks)

@@ -394,7 +394,7 @@ static int64_t prefetch_min_rows = 6;
 
 void kvs_gemm_set_prefetch_rows(int64_t rows) { prefetch_min_rows = rows < 2 ? 2 : rows; }
 
-/* Widened bf16 at WIDE_MIN_TILES row tiles a block or more: each group is widened once into the
+/* Widened bf16 at wide_min_tiles row tiles a block or more (below): each group is widened once into the
  * thread's own float32 copy, which every tile of the block then multiplies as float32 weights, instead
  * of each tile widening every weight vector again. On a 2-core Zen 1 EPYC (AVX2 on 128-bit FMA pipes)
  * any vector operation beside the FMAs cost about as much as one, and a tile of widened weights
@@ -414,6 +414,19 @@ static int wide_copy_on = 1;
 int kvs_gemm_set_wide_copy(int on) {
     wide_copy_on = on != 0;
     return wide_copy_on;
+}
+
+/* The fewest row tiles a block needs for the copy (WIDE_MIN_TILES until set): the copy's cost is a
+ * block's, its gain a tile's, so between a host where 4 tiles lose and one where they win lies a
+ * threshold of its own. On a 2-core Zen 2 EPYC (a model's bf16 projections from memory, alternating)
+ * the copy ran even at 8-16 rows and 1.055x, 1.073x, 1.112x, 1.160x and 1.199x faster at 20, 24, 32,
+ * 48 and 64 rows, while the timing at 4 tiles alone had turned it off for all (CpuKernels.tune_wide_copy
+ * now times 8 tiles too). tiles <= 0 leaves it; returns the setting before. */
+static int wide_min_tiles = WIDE_MIN_TILES;
+int kvs_gemm_set_wide_min_tiles(int tiles) {
+    int was = wide_min_tiles;
+    if (tiles > 0) wide_min_tiles = tiles;
+    return was;
 }
 
 typedef struct {
@@ -585,7 +598,7 @@ static inline __attribute__((always_inline)) void block_group(const void *x, con
      * tokens went 1.058x, 1.025x and 1.047x faster; 9-32 rows (turns, or tiles tuned off them on
      * other hosts) and bf16 weights are as they were; smaller blocks follow lead_ahead. */
     int first_tile_ahead = mode == 0 && (tiles > TURN_TILES || lead_ahead);
-    const float *wide = mode == 1 && tiles >= WIDE_MIN_TILES && wide_copy_on ? widened_group(wp, g, k) : NULL;
+    const float *wide = mode == 1 && tiles >= wide_min_tiles && wide_copy_on ? widened_group(wp, g, k) : NULL;
     if (in_turns(mode, tiles, ncols, ahead)) {
         /* tile t of a turn prefetches its share of the weights TURN_AHEAD turns on (into `after` at the
          * end) */
