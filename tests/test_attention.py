@@ -224,6 +224,41 @@ def test_decode_gives_the_same_bits_with_keys_pulled_ahead_or_not(monkeypatch, d
 
 
 @pytest.mark.skipif(KERNELS is None, reason="no C compiler")
+@pytest.mark.parametrize("h,h_kv,d", [(9, 3, 64), (8, 2, 64), (8, 8, 64), (16, 4, 64), (6, 3, 128), (9, 3, 128),
+                                      (4, 1, 40)])
+@pytest.mark.parametrize("block", [16, 24])
+@pytest.mark.parametrize("batch", [1, 6, 40])  # per KV head, per chunk, per sequence
+def test_bf16_decode_gives_the_same_bits_with_a_heads_queries_held_or_not(h, h_kv, d, block, batch):
+    """With bf16 rows the key pass takes a tile of tokens one KV head at a time, the head's queries held
+    in registers (csrc/dense_decode.c's key_tile; on by default, with AVX-512 and where they fit),
+    instead of a token at a time over all heads. The same multiply-adds in the same order: the same
+    bits at groups of 1-4 queries, head sizes 64 and 128 (a group of 3 there does not fit) and the
+    generic path's 40, tiles cut short by 24-token blocks and contexts, and every task shape."""
+    gen = torch.Generator().manual_seed(h * 1000 + d * 10 + batch + block)
+    width, num_blocks = 12, 128
+    k_cache = (torch.randn(num_blocks, block, h_kv, d, generator=gen) * 3).bfloat16()
+    v_cache = torch.randn(num_blocks, block, h_kv, d, generator=gen).bfloat16()
+    seq_lens = torch.randint(1, width * block, (batch,), generator=gen)
+    seq_lens[0] = width * block - 5  # a last tile of a few tokens
+    table = torch.randint(0, num_blocks, (batch, width), generator=gen)
+    q = (torch.randn(batch, h, d, generator=gen) * 3).bfloat16()
+    lib = KERNELS._lib
+    default = lib.kvs_decode_set_hoist(-1)
+    try:
+        outs = []
+        for on in (1, 0):
+            lib.kvs_decode_set_hoist(on)
+            outs.append(KERNELS.paged_decode(q, k_cache, v_cache, table, seq_lens, d ** -0.5))
+            outs.append(KERNELS.paged_decode(q.float(), k_cache, v_cache, table, seq_lens, d ** -0.5))
+    finally:
+        lib.kvs_decode_set_hoist(default)
+    assert default == 1
+    assert torch.isfinite(outs[1]).all() and outs[1].abs().sum() > 0
+    assert torch.equal(outs[0].view(torch.int16), outs[2].view(torch.int16))  # bf16 rows in and out
+    assert torch.equal(outs[1], outs[3])  # float32 queries and output
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler")
 @pytest.mark.parametrize("stream_kb", [None, 1, 12, 1024])
 @pytest.mark.parametrize("tasks", ["sequences", "chunks", "heads"])
 def test_float32_decode_prefetches_every_row_it_reads_once(tasks, stream_kb):
