@@ -243,15 +243,15 @@ def test_bf16_decode_gives_the_same_bits_with_a_heads_queries_held_or_not(h, h_k
     table = torch.randint(0, num_blocks, (batch, width), generator=gen)
     q = (torch.randn(batch, h, d, generator=gen) * 3).bfloat16()
     lib = KERNELS._lib
-    default = lib.kvs_decode_set_hoist(-1)
+    default = lib.kvs_decode_set_key_tiles(-1)
     try:
         outs = []
         for on in (1, 0):
-            lib.kvs_decode_set_hoist(on)
+            lib.kvs_decode_set_key_tiles(on)
             outs.append(KERNELS.paged_decode(q, k_cache, v_cache, table, seq_lens, d ** -0.5))
             outs.append(KERNELS.paged_decode(q.float(), k_cache, v_cache, table, seq_lens, d ** -0.5))
     finally:
-        lib.kvs_decode_set_hoist(default)
+        lib.kvs_decode_set_key_tiles(default)
     assert default == 1
     assert torch.isfinite(outs[1]).all() and outs[1].abs().sum() > 0
     assert torch.equal(outs[0].view(torch.int16), outs[2].view(torch.int16))  # bf16 rows in and out

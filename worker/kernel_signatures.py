@@ -54,8 +54,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.kvs_decode_set_key_ahead.argtypes = [ctypes.c_int]
     lib.kvs_decode_set_key_ahead.restype = ctypes.c_int
     # the key pass a head's tile at a time, its queries in registers (tests, benchmarks)
-    lib.kvs_decode_set_hoist.argtypes = [ctypes.c_int]
-    lib.kvs_decode_set_hoist.restype = ctypes.c_int
+    lib.kvs_decode_set_key_tiles.argtypes = [ctypes.c_int]
+    lib.kvs_decode_set_key_tiles.restype = ctypes.c_int
     # a block several sequences share is prefetched by the first of them only (tests, benchmarks)
     lib.kvs_decode_set_shared_owners.argtypes = [ctypes.c_int]
     lib.kvs_decode_set_shared_owners.restype = ctypes.c_int

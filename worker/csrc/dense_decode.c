@@ -241,14 +241,16 @@ static inline __attribute__((always_inline)) void row_prefetch(const char *pf_k,
  * every query vector from L1 for each row: per token and head 12 query loads beside 4 key loads at
  * SmolLM2's group of 3 and d = 64, and a Zen 4 does one 512-bit load a cycle. On a 2-core Zen 4 EPYC
  * (K/V of 30 layers, alternating in one process, ten rounds) bf16 attention at 8 and 32 sequences of
- * 262-277 tokens ran 1.07x and 1.05x faster from memory, 1.19x and 1.20x with K/V in cache. float32
- * rows (and their stream, spread over the heads' passes) ran 1.06-1.08x faster in cache but
- * 0.96-0.975x from memory, where they are read in the engine, so they keep the token-major pass.
- * kvs_decode_set_hoist switches it (tests, benchmarks); the bits are the same either way. */
-static int hoist = 1;
-int kvs_decode_set_hoist(int on) { /* on < 0 leaves it; returns the setting before */
-    int was = hoist;
-    if (on >= 0) hoist = on != 0;
+ * 262-277 tokens ran 1.07x and 1.05x faster from memory (1.02x and 1.06x in a second run), 1.19x and
+ * 1.20x with K/V in cache; inside whole bf16 decode steps, attention 1.03-1.05x at 1, 8 and 32
+ * sequences (0.96x at 16), the steps within their noise. float32 rows (and their stream, spread over
+ * the heads' passes) ran 1.06-1.08x faster in cache but 0.96-1.00x from memory, where the engine
+ * reads them, so they keep the token-major pass. kvs_decode_set_key_tiles switches it (tests,
+ * benchmarks); the bits are the same either way. */
+static int key_tiles = 1;
+int kvs_decode_set_key_tiles(int on) { /* on < 0 leaves it; returns the setting before */
+    int was = key_tiles;
+    if (on >= 0) key_tiles = on != 0;
     return was;
 }
 
@@ -291,7 +293,7 @@ static inline __attribute__((always_inline)) void score_block(
     const int64_t d = VW * DV;
     int64_t head_bytes = head_row_bytes(f, d), row_bytes = num_kv_heads * head_bytes;
     int64_t pf_from = h0 * head_bytes, pf_to = h1 * head_bytes;
-    const int tiled = VW == 16 && f->kind == ROW_BF16 && !st && group * DV <= 16 && hoist;
+    const int tiled = VW == 16 && f->kind == ROW_BF16 && !st && group * DV <= 16 && key_tiles;
     if (f->kind == ROW_INT4)
         for (int64_t h = h0; h < h1; h++)
             int4_key_params(k_cache, block, bs, num_kv_heads, h, d, f, kp + h * 2 * d);
