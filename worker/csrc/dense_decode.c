@@ -3,7 +3,8 @@
  *
  *   chunk of CT tokens (whole blocks), every query of the sequence (H of them, G per KV head):
  *   pass 1: for each block, for each token row, every head's K (token-major, a dense row of all
- *           heads: 768 bytes for SmolLM2 in fp32), scores into s[qi][0 .. CT)
+ *           heads: 768 bytes for SmolLM2 in fp32), scores into s[qi][0 .. CT); bf16 rows with
+ *           AVX-512 go a head at a time over 16 rows, its queries in registers (see key_tile)
  *   softmax: the chunk's max, e^(s - max) in place, the sum of weights
  *   pass 2: for each block and head, acc[qi] += p[qi][t] * V[t, head], a head's G queries together,
  *           so that a value row is read once for all of them
@@ -285,7 +286,8 @@ static inline __attribute__((always_inline)) void key_tile(const float *q, const
  * part: [H][VW] vectors; buf [d] and kp [Hkv][2d]: room to decode coded rows and int4 key blocks'
  * parameters. pf_k, pf_v: the next block's keys (NULL at the task's last block) and this block's
  * values (NULL: not prefetched), those heads' part of a token row prefetched per token; or a stream (st, the block's
- * first row at `pos` in it) that takes their place. */
+ * first row at `pos` in it) that takes their place. bf16 rows take tiles of a head at a time where
+ * key_tiles allows (never with a stream). */
 static inline __attribute__((always_inline)) void score_block(
     const float *qs, const void *k_cache, int64_t block, int64_t bs, int64_t num_kv_heads, int64_t h0, int64_t h1,
     int64_t group, const RowFormat *f, const int DV, int64_t n, float *s, int64_t ct, vf *part, float *buf,
