@@ -47,6 +47,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.kvs_gemm_set_two_groups.restype = ctypes.c_int
     lib.kvs_gemm_set_lead_ahead.argtypes = [ctypes.c_int]  # small float32 blocks: the first tile prefetches
     lib.kvs_gemm_set_lead_ahead.restype = ctypes.c_int
+    lib.kvs_gemm_set_short_first.argtypes = [ctypes.c_int]  # a short last block alone runs first
+    lib.kvs_gemm_set_short_first.restype = ctypes.c_int
     lib.kvs_gemm_set_wide_copy.argtypes = [ctypes.c_int]  # widened bf16 through a float32 copy a group
     lib.kvs_gemm_set_wide_copy.restype = ctypes.c_int
     lib.kvs_gemm_set_wide_min_tiles.argtypes = [ctypes.c_int]  # the fewest row tiles a block copies for
