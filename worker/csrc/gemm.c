@@ -569,7 +569,7 @@ void kvs_gemm_set_row_panels(int mode) { row_panels_on = mode; }
  * 156.8 ms at 68 rows against 82.7 at 64, and 409 at 272 against 345 at 256. First, the runs that
  * come last are of full blocks and the split evens out: 68 rows 99.6 ms, 80 rows 111.7 (152.5),
  * 136 rows 171.0 (233.7), 272 rows 337.4, 288 rows 361.6 (417.1); whole prefills of one prompt
- * (alternating in one process, seven rounds) 1.52x faster at 68 tokens, 1.29x at 136, 1.16x at 200,
+ * (alternating in one process, six rounds) 1.52x faster at 68 tokens, 1.29x at 136, 1.16x at 200,
  * 1.10x at 268 and 1.09x at 300 in float32, bf16 1.59x, 1.28x, 1.15x, 1.10x and 0.99x. Which thread
  * computes a tile does not change its sums: the bits are the same. */
 static int short_first_on = 1;
