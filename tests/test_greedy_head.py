@@ -161,15 +161,85 @@ def test_the_int8_copys_scales_sums_and_residual_norms_bound_what_they_claim(cop
     enorm = greedy.int8_enorm.double()
     assert (enorm >= residual).all() and (enorm <= residual * (1 + 1e-5) + 1e-30).all()
     x = torch.randn(5, k, generator=gen) * 3
-    x[2, 7] = 40.0  # one large value coarsens its row's scale
+    x[2, 7] = 40.0  # one large value: taken to x's high byte, not to the row's scale (AVX2: it coarsens it)
     xnorms = greedy._approx_into(x, torch.empty(5, v)).double()
     xd = x.double()
-    sx = xd.abs().amax(dim=1, keepdim=True).float().double() / 32767
+    sx = _x_scale(x, greedy.hi_dims).double()
     assert (xnorms[:, 0] >= xd.norm(dim=1)).all() and (xnorms[:, 0] <= xd.norm(dim=1) * (1 + 1e-5)).all()
     # |e_x| is at most half a step an element, and at least what rounding x itself to 16 bits leaves
     assert (xnorms[:, 1] <= (sx[:, 0] / 2) * k ** 0.5 * (1 + 1e-5)).all()
     ideal = (xd - (xd / sx).round() * sx).norm(dim=1)
     assert (xnorms[:, 1] >= ideal * (1 - 1e-3)).all()
+
+
+def _x_scale(x: torch.Tensor, hi_dims: int) -> torch.Tensor:
+    """Each row's s_x [rows, 1] (float32) as csrc/greedy_head.c chooses it: with AVX-512 VNNI, max |x| /
+    32639 or, for hi_dims 0-64, where larger, the (hi_dims + 1)-th largest |x_k| / 127; with AVX2, max
+    |x| / 32767, fewer codes for long rows (each quotient computed in float64 and rounded: float32's own
+    division)."""
+    k = x.shape[1]
+    big = x.abs().amax(dim=1, keepdim=True).double()
+    if KERNELS._lib.kvs_int8_head_available() == 2:
+        return (big / min(32767, (2 ** 31 - 1) // (254 * ((k + 3) // 4)))).float()
+    s = (big / 32639).float()
+    if 0 <= hi_dims < k and hi_dims <= 64:
+        t = x.abs().sort(dim=1, descending=True).values[:, hi_dims:hi_dims + 1].double()
+        s = torch.maximum(s, (t / 127).float())
+    return s
+
+
+def _x_codes(x: torch.Tensor, hi_dims: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s_x [rows, 1], qx [rows, k]) as the C kernel takes them: qx = round(x * (1 / s_x)) in float32,
+    ties to even, within the build's largest code."""
+    k = x.shape[1]
+    sx = _x_scale(x, hi_dims)
+    inv = torch.where(sx > 0, (1 / sx.double()).float(), torch.zeros_like(sx))
+    if KERNELS._lib.kvs_int8_head_available() == 2:
+        qmax = min(32767, (2 ** 31 - 1) // (254 * ((k + 3) // 4)))
+    else:
+        qmax = 32639
+    return sx, (x * inv).round().clamp(-qmax, qmax)
+
+
+def _int8_codes(greedy, v: int, k: int) -> torch.Tensor:
+    """The int8 copy's codes q [v, k], unpacked from its tiles."""
+    quads, cols, tile = (k + 3) // 4, -(-v // 64) * 64, greedy_head.int8_tile_cols(KERNELS)
+    q = greedy.int8.view(cols // tile, quads, tile, 4).permute(0, 2, 1, 3).reshape(cols, 4 * quads)
+    return q[:v, :k]
+
+
+@needs_int8
+@pytest.mark.parametrize("k", [576, 63, 100])  # the model's width; a last quad part padded; no whole tile
+def test_the_int8_copys_logits_are_its_exact_sums_whatever_quads_hold_high_bytes(k, copy_env):
+    """The copy's logits against a float64 model of its own arithmetic: each row's codes times the
+    head's, summed exactly, times both scales. Rows hold three values 25x the rest at dims of their own,
+    so that a block's rows (up to 6 a block, as even as they go: 1 to 13 rows) take x's high byte in
+    different quads, which the kernel multiplies only there; with 0, 1, 8 and 64 of a row's largest
+    values past its low byte, and every value at 16 bits (-1, a bf16 model's). A quad's high byte
+    left out, or the offsets taken off wrongly, moves a logit by hundreds of its own scale."""
+    from kvstrata.worker.greedy_head import GreedyHead
+
+    copy_env("int8")
+    gen = torch.Generator().manual_seed(k)
+    v = 300
+    head = torch.randn(v, k, generator=gen)
+    greedy = GreedyHead(KERNELS, head, KERNELS.pack(head))
+    q = _int8_codes(greedy, v, k).double()
+    scale = greedy.int8_scale[:v].double()
+    x = torch.randn(13, k, generator=gen)
+    for r in range(13):
+        x[r, torch.randperm(k, generator=gen)[:3]] *= 25
+    assert greedy.hi_dims == greedy_head.HI_DIMS == 8  # a float32 model's
+    for hi_dims in (0, 1, 8, 64, greedy_head.HI_DIMS_ALL):
+        greedy.hi_dims = hi_dims
+        for rows in (1, 2, 5, 7, 13):
+            sx, qx = _x_codes(x[:rows], hi_dims)
+            if hi_dims != 0:
+                assert (qx.abs() > 127).any()  # past a byte: high bytes to multiply
+            exact = (qx.double() @ q.T) * scale * sx.double()
+            approx = greedy.approx_logits(x[:rows]).double()
+            assert (approx - exact).abs().max() <= 1e-5 * exact.abs().max(), (hi_dims, rows)
+        assert torch.equal(greedy.tokens(x), _reference(x, KERNELS.pack(head)))
 
 
 @needs_int8

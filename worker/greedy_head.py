@@ -46,6 +46,8 @@ COPIES = ("int8", "bf16")
 _INT8_COLS = 64  # columns padded to a whole number of the int8 copy's tiles (csrc/greedy_head.c's Q_COLS: 64 or 16)
 _TUNE_ROWS = (4, 8, 12, 16, 24, 32, 48, 64)  # the row counts tune times, in order, until the copy loses
 _MAX_ROWS = 64  # rows per bf16 product: the approximate logits' buffer is kept, [_MAX_ROWS, V] at most
+HI_DIMS = 8  # a float32 model's int8 copy: x's largest values past one byte (GreedyHead.hi_dims)
+HI_DIMS_ALL = -1  # every value of x at 16 bits
 
 
 def wanted() -> bool:
@@ -125,12 +127,16 @@ class GreedyHead:
         lib.kvs_greedy_head.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3
         lib.kvs_greedy_head.restype = ctypes.c_int64
         lib.kvs_int8_head_approx.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 \
-            + [ctypes.c_int64] + [ctypes.c_void_p] * 2
+            + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
         lib.kvs_int8_head_approx.restype = ctypes.c_int
         lib.kvs_int8_head_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4
         lib.kvs_int8_head_pack.restype = None
         self.packed = packed
         self.copy = chosen_copy(kernels)
+        # the int8 copy's x: its hi_dims largest values past one byte, so that the rest multiply as one
+        # (csrc/greedy_head.c); a bf16 model's takes all at 16 bits, each token left to check costing
+        # it a group's products
+        self.hi_dims = HI_DIMS_ALL if self.model_bf16 else HI_DIMS
         if self.model_bf16 and self.copy != "int8":
             raise ValueError("a bf16 model's greedy head needs the int8 copy")
         head = head.float()
@@ -219,7 +225,8 @@ class GreedyHead:
             return torch.empty(0)
         xnorms = torch.empty(rows, 2, dtype=torch.float32)
         if self._lib.kvs_int8_head_approx(x.data_ptr(), rows, k, self.int8.data_ptr(), self.int8_scale.data_ptr(),
-                                          self.int8_rowsum.data_ptr(), v, approx.data_ptr(), xnorms.data_ptr()):
+                                          self.int8_rowsum.data_ptr(), v, self.hi_dims, approx.data_ptr(),
+                                          xnorms.data_ptr()):
             return None
         return xnorms
 

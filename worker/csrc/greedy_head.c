@@ -270,13 +270,25 @@ int64_t kvs_greedy_head(const float *x, const float *approx, const float *xnorms
 /* The int8 copy of the head: each row j scaled by s_j = max |w_j| / 127 and rounded, q_j = round(w_j /
  * s_j) (kvs_int8_head_pack makes it, with s_j, sum_k q_jk and |e_j| = |w_j - s_j q_j|), packed in tiles of
  * Q_COLS columns: qp[t][kq][c][4] = q[Q_COLS t + c, 4 kq .. 4 kq + 3], a tile's k quad one 256-byte
- * line run, its four vectors Q_GROUP columns each (AVX2 builds: tiles of 16 columns, below). Each
- * row of x is taken to 16 bits, qx = round(x / s_x), s_x = max |x| / 32767, split as qx = 256 hi +
- * lo (lo in 0 .. 255, hi + 128 too), and each
- * tile's sums sum_k (hi + 128) q and sum_k lo q come from the unsigned-by-signed byte dot products
- * (four products a lane, exact in int32), so that sum_k qx q_j = 256 (high sum - 128 sum_k q_j) +
- * low sum, exactly. Two dot products a quad of k against one bf16 dot product a pair: the same
- * products a cycle as the bf16 copy, from half the bytes. */
+ * line run, its four vectors Q_GROUP columns each (AVX2 builds: tiles of 16 columns, below).
+ *
+ * Each row of x is taken to 16 bits, qx = round(x / s_x), and split in two bytes, qx = 256 hi + lo
+ * with lo in -128 .. 127 (hi = floor((qx + 128) / 256), within +-127 for |qx| <= 32639); the
+ * unsigned-by-signed byte dot products (four products a lane, exact in int32) take hi + 128 and lo
+ * + 128, and 128 sum_k q_j comes off each sum, so that sum_k qx q_j = 256 sum_k hi q_j + sum_k lo q_j,
+ * exactly. The scale: s_x = max(max |x| / 32639, t / 127), t the (hi_dims + 1)-th largest |x_k|
+ * (the caller's hi_dims: 8 for a float32 model's head), or max |x| / 32639 alone (hi_dims none).
+ * SmolLM2's final hidden rows hold a few values 10-20x the rest; with s_x = max |x| / 32767 every
+ * quad of k had a high byte to multiply, two dot products a quad where a bf16 copy takes one a
+ * pair. With t, all but the hi_dims largest values fit in lo, so hi is zero outside a few quads:
+ * the vector kernel multiplies lo over every quad and hi over only the quads where a row of the
+ * block has one (int8_tile), nearly half the products. The coarser scale widens |e_x|, which the
+ * bound takes as it comes: over 418 rows of SmolLM2 chat and random-token decoding (float64 model
+ * of the bound), 15.8 tokens a row left to check on average against 5.2 (6 and 3 at the median),
+ * the hi quads of a block of 6 rows 20 of 144 on average. A float32 model's tokens left cost a row
+ * of the head each; a bf16 model's a group's products, and on rows without outliers (random ones,
+ * which its load-time timing uses) 8 bits left so many that the copy lost, so it keeps 16 bits
+ * (int8_tile_16, one pass for both bytes). */
 #define Q_GROUP 16
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define Q_COLS 64
@@ -287,7 +299,8 @@ int64_t kvs_greedy_head(const float *x, const float *approx, const float *xnorms
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_INT8_HEAD 1
-#define Q_ROWS 3 /* rows a tile: 3 rows x 4 vectors x (high, low) = 24 sums */
+#define Q_ROWS 6 /* rows a block: 6 rows x 4 vectors = 24 sums of lo */
+#define QH_ROWS 3 /* rows a pass over the hi quads: 3 rows x 4 vectors + 4 sums of q + 4 weights */
 #ifndef Q_AHEAD
 #define Q_AHEAD 6144
 #endif
@@ -301,61 +314,145 @@ static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i
     return acc;
 }
 
-#define Q_ZERO(i) __m512i h##i##0 = _mm512_setzero_si512(), h##i##1 = h##i##0, h##i##2 = h##i##0, h##i##3 = h##i##0, \
-                          l##i##0 = h##i##0, l##i##1 = h##i##0, l##i##2 = h##i##0, l##i##3 = h##i##0
-#define Q_ROW(i)                                                                                                  \
-    do {                                                                                                          \
-        __m512i bh = _mm512_set1_epi32((int)hi[(i) * kq + kk]), bl = _mm512_set1_epi32((int)lo[(i) * kq + kk]);   \
-        h##i##0 = dpbusd(h##i##0, bh, w0), l##i##0 = dpbusd(l##i##0, bl, w0);                                     \
-        h##i##1 = dpbusd(h##i##1, bh, w1), l##i##1 = dpbusd(l##i##1, bl, w1);                                     \
-        h##i##2 = dpbusd(h##i##2, bh, w2), l##i##2 = dpbusd(l##i##2, bl, w2);                                     \
-        h##i##3 = dpbusd(h##i##3, bh, w3), l##i##3 = dpbusd(l##i##3, bl, w3);                                     \
-    } while (0)
-#define Q_OUT(i)                                                                                                  \
-    do {                                                                                                          \
-        q_emit(h##i##0, l##i##0, 0, i), q_emit(h##i##1, l##i##1, 1, i);                                           \
-        q_emit(h##i##2, l##i##2, 2, i), q_emit(h##i##3, l##i##3, 3, i);                                           \
-    } while (0)
-
-/* Vector j of row i's sums, combined and scaled, into approx (the columns past n left alone). */
-static inline __attribute__((always_inline)) void q_emit_at(__m512i high_sum, __m512i low_sum, const float *scale,
-                                                            const int32_t *rowsum, float sx, int64_t c0, int64_t n,
-                                                            float *y) {
+/* Vector j of a row's sums, sum_k hi q_j (high) and sum_k lo q_j (low), combined and scaled into
+ * approx (the columns past n left alone). */
+static inline __attribute__((always_inline)) void q_emit_at(__m512i high, __m512i low, const float *scale, float sx,
+                                                            int64_t c0, int64_t n, float *y) {
     if (c0 >= n) return;
     __mmask16 mask = c0 + Q_GROUP <= n ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c0)) - 1);
-    __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(rowsum + c0), 7); /* 128 sum_k q_j */
-    __m512 high = _mm512_cvtepi32_ps(_mm512_sub_epi32(high_sum, offset));  /* exact to K = 1,032 */
-    __m512 d = _mm512_fmadd_ps(high, _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(low_sum));
+    /* each exact in float32 to K = 1,032 */
+    __m512 d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(low));
     __m512 a = _mm512_mul_ps(d, _mm512_mul_ps(_mm512_loadu_ps(scale + c0), _mm512_set1_ps(sx)));
     _mm512_mask_storeu_ps(y + c0, mask, a);
 }
 
-/* Rows r0 .. r0 + R - 1 (their quads at hi and lo) against tile t: their approximate logits into
- * approx [rows, n], from row r0's. */
+/* 128 sum of the k quad's q for columns c0 .. c0 + 15 (one of a sum's offsets) */
+static inline __attribute__((always_inline)) __m512i q_offset(const int32_t *rowsum, int64_t c0) {
+    return _mm512_slli_epi32(_mm512_loadu_si512(rowsum + c0), 7);
+}
+
+/* Rows i0 .. i0 + R - 1 of a block (their hi quads at hi, kq a row) against the tile at w over its
+ * nu hi quads uq: sum_k hi q, added to each row's sums of lo at low [Q_ROWS][Q_COLS] (offset
+ * taken off), emitted into approx from row i0's (sx: its scale). A quad where a row has no hi holds
+ * 128s for it, which the quads' own sum of q (times 128) takes off again. */
+static inline __attribute__((always_inline)) void int8_hi_pass(const uint32_t *hi, int64_t kq, const int32_t *uq,
+                                                               int64_t nu, const int8_t *w, const int32_t *low,
+                                                               const float *scale, const float *sx, int64_t c,
+                                                               int64_t n, int R, float *approx) {
+    __m512i h[QH_ROWS][4], sum[4];
+    const __m512i ones = _mm512_set1_epi8(1);
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; v++) {
+        sum[v] = _mm512_setzero_si512();
+#pragma GCC unroll 3
+        for (int i = 0; i < R; i++) h[i][v] = sum[v];
+    }
+    for (int64_t u = 0; u < nu; u++) {
+        const int8_t *wk = w + uq[u] * 4 * Q_COLS;
+        __m512i wv[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) {
+            wv[v] = _mm512_loadu_si512(wk + 64 * v);
+            sum[v] = dpbusd(sum[v], ones, wv[v]);
+        }
+#pragma GCC unroll 3
+        for (int i = 0; i < R; i++) {
+            __m512i b = _mm512_set1_epi32((int)hi[i * kq + uq[u]]);
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) h[i][v] = dpbusd(h[i][v], b, wv[v]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++)
+            q_emit_at(_mm512_sub_epi32(h[i][v], _mm512_slli_epi32(sum[v], 7)),
+                      _mm512_load_si512(low + i * Q_COLS + v * Q_GROUP), scale, sx[i], c + v * Q_GROUP, n,
+                      approx + i * n);
+}
+
+/* The block of R rows (their lo quads at lo and hi quads at hi, kq a row; uq: the block's nu hi
+ * quads) against tile t: their approximate logits into approx [rows, n], from the block's first
+ * row's. First lo over every quad (R x 4 sums), then hi over the block's hi quads, QH_ROWS rows a
+ * pass, the tile's lines by then in L1 or L2. ahead: the lines Q_AHEAD bytes ahead are asked for,
+ * into L2 (the first block against a tile). */
 static inline __attribute__((always_inline)) void int8_tile(const uint32_t *hi, const uint32_t *lo, int64_t kq,
-                                                            const int8_t *qp, const float *scale, const int32_t *rowsum,
-                                                            const float *sx, int64_t t, int64_t n, int R,
-                                                            int ahead, float *approx) {
-    Q_ZERO(0);
-    Q_ZERO(1);
-    Q_ZERO(2);
+                                                            const int32_t *uq, int64_t nu, const int8_t *qp,
+                                                            const float *scale, const int32_t *rowsum,
+                                                            const float *sx, int64_t t, int64_t n, int R, int ahead,
+                                                            float *approx) {
+    __m512i acc[Q_ROWS][4];
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_si512();
     const int8_t *w = qp + t * kq * 4 * Q_COLS;
     for (int64_t kk = 0; kk < kq; kk++) {
         const int8_t *wk = w + kk * 4 * Q_COLS;
-        if (ahead) /* the first rows against a tile ask for its lines Q_AHEAD bytes ahead, into L2 */
+        if (ahead)
             for (int b = 0; b < 4 * Q_COLS; b += 64) _mm_prefetch((const char *)wk + Q_AHEAD + b, _MM_HINT_T1);
         __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + 64), w2 = _mm512_loadu_si512(wk + 128),
                 w3 = _mm512_loadu_si512(wk + 192);
-        Q_ROW(0);
-        if (R > 1) Q_ROW(1);
-        if (R > 2) Q_ROW(2);
+#pragma GCC unroll 6
+        for (int i = 0; i < R; i++) {
+            __m512i b = _mm512_set1_epi32((int)lo[i * kq + kk]);
+            acc[i][0] = dpbusd(acc[i][0], b, w0), acc[i][1] = dpbusd(acc[i][1], b, w1);
+            acc[i][2] = dpbusd(acc[i][2], b, w2), acc[i][3] = dpbusd(acc[i][3], b, w3);
+        }
     }
     int64_t c = t * Q_COLS;
-#define q_emit(high, low, j, i) q_emit_at(high, low, scale, rowsum, sx[i], c + (j) * Q_GROUP, n, approx + (i) * n)
-    Q_OUT(0);
-    if (R > 1) Q_OUT(1);
-    if (R > 2) Q_OUT(2);
-#undef q_emit
+    int32_t low[Q_ROWS * Q_COLS] __attribute__((aligned(64)));
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++)
+            _mm512_store_si512(low + i * Q_COLS + v * Q_GROUP,
+                               _mm512_sub_epi32(acc[i][v], q_offset(rowsum, c + v * Q_GROUP)));
+    if (R > QH_ROWS) { /* R is a constant here, so each pass's rows are too */
+        int8_hi_pass(hi, kq, uq, nu, w, low, scale, sx, c, n, QH_ROWS, approx);
+        int8_hi_pass(hi + QH_ROWS * kq, kq, uq, nu, w, low + QH_ROWS * Q_COLS, scale, sx + QH_ROWS, c, n,
+                     R - QH_ROWS, approx + QH_ROWS * n);
+    } else {
+        int8_hi_pass(hi, kq, uq, nu, w, low, scale, sx, c, n, R, approx);
+    }
+}
+
+/* Rows r0 .. r0 + R - 1 (R <= QH_ROWS) whose every quad has a hi byte (hi_dims none: every value at 16
+ * bits) against tile t: both sums in one pass over the tile, 3 rows x 4 vectors x (hi, lo) = 24 of
+ * them, each weight vector loaded once for both. */
+static inline __attribute__((always_inline)) void int8_tile_16(const uint32_t *hi, const uint32_t *lo, int64_t kq,
+                                                               const int8_t *qp, const float *scale,
+                                                               const int32_t *rowsum, const float *sx, int64_t t,
+                                                               int64_t n, int R, int ahead, float *approx) {
+    __m512i h[QH_ROWS][4], l[QH_ROWS][4];
+#pragma GCC unroll 3
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) h[i][v] = l[i][v] = _mm512_setzero_si512();
+    const int8_t *w = qp + t * kq * 4 * Q_COLS;
+    for (int64_t kk = 0; kk < kq; kk++) {
+        const int8_t *wk = w + kk * 4 * Q_COLS;
+        if (ahead)
+            for (int b = 0; b < 4 * Q_COLS; b += 64) _mm_prefetch((const char *)wk + Q_AHEAD + b, _MM_HINT_T1);
+        __m512i wv[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) wv[v] = _mm512_loadu_si512(wk + 64 * v);
+#pragma GCC unroll 3
+        for (int i = 0; i < R; i++) {
+            __m512i bh = _mm512_set1_epi32((int)hi[i * kq + kk]), bl = _mm512_set1_epi32((int)lo[i * kq + kk]);
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) h[i][v] = dpbusd(h[i][v], bh, wv[v]), l[i][v] = dpbusd(l[i][v], bl, wv[v]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) {
+            int64_t c0 = t * Q_COLS + v * Q_GROUP;
+            __m512i offset = q_offset(rowsum, c0);
+            q_emit_at(_mm512_sub_epi32(h[i][v], offset), _mm512_sub_epi32(l[i][v], offset), scale, sx[i], c0, n,
+                      approx + i * n);
+        }
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
@@ -413,10 +510,13 @@ static void amx_int8_tile(const uint32_t *a, int64_t kq, const int8_t *qp, const
     _tile_stored(6, out + 32, 4 * Q_COLS);
     _tile_stored(7, out + 48, 4 * Q_COLS);
     for (int i = 0; i < R; i++)
-        for (int j = 0; j < 4; j++)
-            q_emit_at(_mm512_loadu_si512(out + i * Q_COLS + j * Q_GROUP),
-                      _mm512_loadu_si512(out + (R + i) * Q_COLS + j * Q_GROUP), scale, rowsum, sx[i],
-                      t * Q_COLS + j * Q_GROUP, n, approx + i * n);
+        for (int j = 0; j < 4; j++) {
+            int64_t c0 = t * Q_COLS + j * Q_GROUP;
+            __m512i offset = q_offset(rowsum, c0);
+            q_emit_at(_mm512_sub_epi32(_mm512_loadu_si512(out + i * Q_COLS + j * Q_GROUP), offset),
+                      _mm512_sub_epi32(_mm512_loadu_si512(out + (R + i) * Q_COLS + j * Q_GROUP), offset), scale,
+                      sx[i], c0, n, approx + i * n);
+        }
 }
 #else
 #define HAVE_AMX_INT8_HEAD 0
@@ -544,6 +644,22 @@ void kvs_int8_head_pack(const float *w, int64_t n, int64_t k, int8_t *qp, float 
     }
 }
 
+#define HI_DIMS_MAX 64 /* the most of a row's largest |x_k| that hi_dims may leave past lo */
+
+/* The (n + 1)-th largest of |x_0| .. |x_k-1| (0 where k <= n); n <= HI_DIMS_MAX. */
+static float kth_largest_abs(const float *x, int64_t k, int n) {
+    float top[HI_DIMS_MAX + 1]; /* the largest so far, in descending order */
+    int have = 0;
+    for (int64_t kk = 0; kk < k; kk++) {
+        float v = fabsf(x[kk]);
+        if (have == n + 1 && v <= top[n]) continue;
+        int i = have < n + 1 ? have++ : n;
+        for (; i > 0 && top[i - 1] < v; i--) top[i] = top[i - 1];
+        top[i] = v;
+    }
+    return have == n + 1 ? top[n] : 0.0f;
+}
+
 /* Whether this build has the int8 copy's products: 1 AVX-512 with VNNI, 2 AVX2, 0 neither. */
 int kvs_int8_head_available(void) { return HAVE_INT8_HEAD; }
 
@@ -552,12 +668,14 @@ int kvs_int8_head_tile_cols(void) { return Q_COLS; }
 
 /* approx [rows, n] = each row of x [rows, k] times the int8 copy (qp, packed as above for n columns
  * padded to whole tiles and k to whole quads; scale s_j and rowsum sum_k q_jk as long as the padded
- * columns, zero past n), and xnorms
+ * columns, zero past n), x's scale leaving its hi_dims largest |x_k| past lo (0 .. HI_DIMS_MAX; any
+ * other value: s_x = max |x| / 32639, every quad's hi multiplied; AVX2 builds take 16-bit values
+ * whole and keep their own scale), and xnorms
  * [rows, 2] each row's |x| and |e_x| = |x - s_x qx| (in double, rounded up), for
  * kvs_greedy_head. A row with a non-finite value gets NaN norms (its pick then fails, and the
  * caller takes the float32 head). Returns 0, -1 without memory, -2 in a build without the products. */
 int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *qp, const float *scale,
-                         const int32_t *rowsum, int64_t n, float *approx, float *xnorms) {
+                         const int32_t *rowsum, int64_t n, int64_t hi_dims, float *approx, float *xnorms) {
 #if HAVE_INT8_HEAD
     int64_t kq = (k + 3) / 4, tiles = (n + Q_COLS - 1) / Q_COLS;
 #if HAVE_AMX_INT8_HEAD
@@ -567,7 +685,8 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
 #endif
     /* For the tiles, rows in chunks of at most A_ROWS, as even as they go (the first rows % chunks one
      * longer), chunk c's quads at 2 A_ROWS c rows: its rows' high quads, then their low quads. For the
-     * vector kernel every row's high quads, then every row's low quads. */
+     * vector kernel every row's high quads, then every row's low quads (AVX2: each row's 16-bit
+     * values). Both hold hi + 128 and lo + 128, four bytes a quad. */
     int64_t chunks = amx ? (rows + A_ROWS - 1) / A_ROWS : 1, per = rows / chunks, longer = rows % chunks;
     uint32_t *quads = calloc((size_t)((amx ? 2 * A_ROWS * chunks : 2 * rows) * kq), sizeof *quads);
     float *sx = malloc((size_t)rows * sizeof *sx);
@@ -580,7 +699,8 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
 #if HAVE_INT8_HEAD == 2 /* each lane's 2 kq products within int32 (see int8_tile_avx2) */
     const float qmax = (float)fmin(32767.0, floor(2147483647.0 / (254.0 * (double)kq)));
 #else
-    const float qmax = 32767.0f;
+    const float qmax = 32639.0f; /* hi within +-127 */
+    const int split = hi_dims >= 0 && hi_dims <= HI_DIMS_MAX ? (int)hi_dims : -1;
 #endif
     for (int64_t r = 0; r < rows; r++) {
         uint32_t *hr = hi + r * kq, *lr = lo + r * kq; /* the row's high and low quads */
@@ -600,10 +720,21 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
         }
         if (!finite) {
             sx[r] = 0.0f;
-            xnorms[2 * r] = xnorms[2 * r + 1] = NAN; /* hi + 128 stays 0: the sums are whatever, and unused */
+            xnorms[2 * r] = xnorms[2 * r + 1] = NAN; /* the sums are whatever, and unused */
+#if HAVE_INT8_HEAD == 1
+            memset(hr, 128, (size_t)kq * sizeof *hr); /* zeros: no hi quads for the row's block */
+            memset(lr, 128, (size_t)kq * sizeof *lr);
+#endif
             continue;
         }
-        float s = big / qmax, inv = big > 0.0f ? 1.0f / s : 0.0f;
+        float s = big / qmax;
+#if HAVE_INT8_HEAD == 1
+        if (split >= 0) {
+            float t = kth_largest_abs(xr, k, split) / 127.0f;
+            s = t > s ? t : s;
+        }
+#endif
+        float inv = s > 0.0f ? 1.0f / s : 0.0f;
         double xs = 0.0, es = 0.0;
 #if HAVE_INT8_HEAD == 2
         int16_t *q16 = (int16_t *)quads + r * 4 * kq; /* the row's 16-bit values, 4 kq of them */
@@ -623,9 +754,9 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
 #if HAVE_INT8_HEAD == 2
             q16[kk] = (int16_t)q;
 #else
-            int32_t low = q & 255;
-            h[kk] = (uint8_t)((q - low) / 256 + 128);
-            l[kk] = (uint8_t)low;
+            int32_t high = (q + 32896) / 256; /* hi + 128, hi = floor((q + 128) / 256) */
+            h[kk] = (uint8_t)high;
+            l[kk] = (uint8_t)(q - 256 * (high - 128) + 128);
 #endif
         }
         sx[r] = s;
@@ -662,25 +793,67 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
                                 t * Q_COLS, n, R, r0 == 0, approx + r0 * n);
             }
 #else
+        if (split < 0) {
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < tiles; t++)
+                for (int64_t r0 = 0; r0 < rows; r0 += QH_ROWS) {
+                    const uint32_t *h = hi + r0 * kq, *l = lo + r0 * kq;
+                    float *a = approx + r0 * n;
+                    int ahead = r0 == 0;
+                    switch (rows - r0 < QH_ROWS ? rows - r0 : QH_ROWS) {
+                    case 1: int8_tile_16(h, l, kq, qp, scale, rowsum, sx + r0, t, n, 1, ahead, a); break;
+                    case 2: int8_tile_16(h, l, kq, qp, scale, rowsum, sx + r0, t, n, 2, ahead, a); break;
+                    default: int8_tile_16(h, l, kq, qp, scale, rowsum, sx + r0, t, n, 3, ahead, a); break;
+                    }
+                }
+            free(quads);
+            free(sx);
+            return 0;
+        }
+        /* rows in blocks of at most Q_ROWS, as even as they go; each block's hi quads: those where
+         * one of its rows has a hi byte other than zero (+ 128) */
+        int64_t blocks = (rows + Q_ROWS - 1) / Q_ROWS, bper = rows / blocks, blonger = rows % blocks;
+        int32_t *uq = malloc((size_t)(blocks * kq + blocks) * sizeof *uq), *nu = uq + blocks * kq;
+        if (uq == NULL) {
+            free(quads);
+            free(sx);
+            return -1;
+        }
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t r0 = b * bper + (b < blonger ? b : blonger), R = bper + (b < blonger);
+            nu[b] = 0;
+            for (int64_t kk = 0; kk < kq; kk++) {
+                uint32_t any = 0;
+                for (int64_t i = 0; i < R; i++) any |= hi[(r0 + i) * kq + kk] ^ 0x80808080u;
+                if (any) uq[b * kq + nu[b]++] = (int32_t)kk;
+            }
+        }
 #pragma omp parallel for schedule(static)
         for (int64_t t = 0; t < tiles; t++)
-            for (int64_t r0 = 0; r0 < rows; r0 += Q_ROWS) {
+            for (int64_t b = 0; b < blocks; b++) {
+                int64_t r0 = b * bper + (b < blonger ? b : blonger);
                 const uint32_t *h = hi + r0 * kq, *l = lo + r0 * kq;
+                const int32_t *u = uq + b * kq;
                 float *a = approx + r0 * n;
-                int ahead = r0 == 0;
-                switch (rows - r0 < Q_ROWS ? rows - r0 : Q_ROWS) {
-                case 1: int8_tile(h, l, kq, qp, scale, rowsum, sx + r0, t, n, 1, ahead, a); break;
-                case 2: int8_tile(h, l, kq, qp, scale, rowsum, sx + r0, t, n, 2, ahead, a); break;
-                default: int8_tile(h, l, kq, qp, scale, rowsum, sx + r0, t, n, 3, ahead, a); break;
+                int ahead = b == 0;
+                switch (bper + (b < blonger)) {
+                case 1: int8_tile(h, l, kq, u, nu[b], qp, scale, rowsum, sx + r0, t, n, 1, ahead, a); break;
+                case 2: int8_tile(h, l, kq, u, nu[b], qp, scale, rowsum, sx + r0, t, n, 2, ahead, a); break;
+                case 3: int8_tile(h, l, kq, u, nu[b], qp, scale, rowsum, sx + r0, t, n, 3, ahead, a); break;
+                case 4: int8_tile(h, l, kq, u, nu[b], qp, scale, rowsum, sx + r0, t, n, 4, ahead, a); break;
+                case 5: int8_tile(h, l, kq, u, nu[b], qp, scale, rowsum, sx + r0, t, n, 5, ahead, a); break;
+                default: int8_tile(h, l, kq, u, nu[b], qp, scale, rowsum, sx + r0, t, n, 6, ahead, a); break;
                 }
             }
+        free(uq);
 #endif
     }
     free(quads);
     free(sx);
     return 0;
 #else
-    (void)x, (void)rows, (void)k, (void)qp, (void)scale, (void)rowsum, (void)n, (void)approx, (void)xnorms;
+    (void)x, (void)rows, (void)k, (void)qp, (void)scale, (void)rowsum, (void)n, (void)hi_dims, (void)approx,
+        (void)xnorms;
     return -2;
 #endif
 }
