@@ -229,6 +229,7 @@ def test_the_int8_copys_logits_are_its_exact_sums_whatever_quads_hold_high_bytes
     x = torch.randn(13, k, generator=gen)
     for r in range(13):
         x[r, torch.randperm(k, generator=gen)[:3]] *= 25
+    assert greedy.approx_logits(x[:0]).shape == (0, v)  # no rows, no blocks
     assert greedy.hi_dims == greedy_head.HI_DIMS == 8  # a float32 model's
     for hi_dims in (0, 1, 8, 64, greedy_head.HI_DIMS_ALL):
         greedy.hi_dims = hi_dims

@@ -677,6 +677,7 @@ int kvs_int8_head_tile_cols(void) { return Q_COLS; }
 int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *qp, const float *scale,
                          const int32_t *rowsum, int64_t n, int64_t hi_dims, float *approx, float *xnorms) {
 #if HAVE_INT8_HEAD
+    if (rows <= 0) return 0; /* (the blocks below divide by their count) */
     int64_t kq = (k + 3) / 4, tiles = (n + Q_COLS - 1) / Q_COLS;
 #if HAVE_AMX_INT8_HEAD
     int amx = int8_amx && kvs_amx_active() && kq % 16 == 0 && rows >= AMX_MIN_ROWS;
