@@ -646,6 +646,7 @@ void kvs_int8_head_pack(const float *w, int64_t n, int64_t k, int8_t *qp, float 
 
 #define HI_DIMS_MAX 64 /* the most of a row's largest |x_k| that hi_dims may leave past lo */
 
+#if HAVE_INT8_HEAD == 1
 /* The (n + 1)-th largest of |x_0| .. |x_k-1| (0 where k <= n); n <= HI_DIMS_MAX. */
 static float kth_largest_abs(const float *x, int64_t k, int n) {
     float top[HI_DIMS_MAX + 1]; /* the largest so far, in descending order */
@@ -659,6 +660,7 @@ static float kth_largest_abs(const float *x, int64_t k, int n) {
     }
     return have == n + 1 ? top[n] : 0.0f;
 }
+#endif
 
 /* Whether this build has the int8 copy's products: 1 AVX-512 with VNNI, 2 AVX2, 0 neither. */
 int kvs_int8_head_available(void) { return HAVE_INT8_HEAD; }
@@ -699,6 +701,7 @@ int kvs_int8_head_approx(const float *x, int64_t rows, int64_t k, const int8_t *
     uint32_t *hi = quads, *lo = quads + rows * kq;
 #if HAVE_INT8_HEAD == 2 /* each lane's 2 kq products within int32 (see int8_tile_avx2) */
     const float qmax = (float)fmin(32767.0, floor(2147483647.0 / (254.0 * (double)kq)));
+    (void)hi_dims; /* 16-bit values whole */
 #else
     const float qmax = 32639.0f; /* hi within +-127 */
     const int split = hi_dims >= 0 && hi_dims <= HI_DIMS_MAX ? (int)hi_dims : -1;
