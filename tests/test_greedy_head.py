@@ -173,7 +173,7 @@ def test_the_int8_copys_scales_sums_and_residual_norms_bound_what_they_claim(cop
 
 
 def _x_scale(x: torch.Tensor, hi_dims: int) -> torch.Tensor:
-    """Each row's s_x [rows, 1] (float32) as csrc/greedy_head.c chooses it: with AVX-512 VNNI, max |x| /
+    """Each row's s_x [rows, 1] (float32) as csrc/int8_head.c chooses it: with AVX-512 VNNI, max |x| /
     32639 or, for hi_dims 0-64, where larger, the (hi_dims + 1)-th largest |x_k| / 127; with AVX2, max
     |x| / 32767, fewer codes for long rows (each quotient computed in float64 and rounded: float32's own
     division)."""

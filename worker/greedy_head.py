@@ -43,7 +43,7 @@ ENV = "KVSTRATA_GREEDY_HEAD"
 ROWS_ENV = "KVSTRATA_GREEDY_HEAD_ROWS"
 COPY_ENV = "KVSTRATA_GREEDY_HEAD_COPY"
 COPIES = ("int8", "bf16")
-_INT8_COLS = 64  # columns padded to a whole number of the int8 copy's tiles (csrc/greedy_head.c's Q_COLS: 64 or 16)
+_INT8_COLS = 64  # columns padded to a whole number of the int8 copy's tiles (csrc/int8_head.c's Q_COLS: 64 or 16)
 _TUNE_ROWS = (4, 8, 12, 16, 24, 32, 48, 64)  # the row counts tune times, in order, until the copy loses
 _MAX_ROWS = 64  # rows per bf16 product: the approximate logits' buffer is kept, [_MAX_ROWS, V] at most
 HI_DIMS = 8  # a float32 model's int8 copy: x's largest values past one byte (GreedyHead.hi_dims)
@@ -93,7 +93,7 @@ def chosen_copy(kernels: CpuKernels) -> str:
 
 def _int8_copy(kernels: CpuKernels, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                  torch.Tensor]:
-    """The head [V, K] (float32) as csrc/greedy_head.c's int8 copy (kvs_int8_head_pack): (packed tiles
+    """The head [V, K] (float32) as csrc/int8_head.c's int8 copy (kvs_int8_head_pack): (packed tiles
     on huge pages, scale [C], rowsum [C], enorm [V]), C = V padded to whole tiles (the padding zero).
     Each row j: s_j = max |w_j| / 127, q_j = round(w_j / s_j) within +-127, its sum, and |w_j - s_j
     q_j| from above. One pass in C: in torch, in float64, it had taken 0.3-0.4 s at load for SmolLM2."""
@@ -134,7 +134,7 @@ class GreedyHead:
         self.packed = packed
         self.copy = chosen_copy(kernels)
         # the int8 copy's x: its hi_dims largest values past one byte, so that the rest multiply as one
-        # (csrc/greedy_head.c); a bf16 model's takes all at 16 bits, each token left to check costing
+        # (csrc/int8_head.c); a bf16 model's takes all at 16 bits, each token left to check costing
         # it a group's products
         self.hi_dims = HI_DIMS_ALL if self.model_bf16 else HI_DIMS
         if self.model_bf16 and self.copy != "int8":

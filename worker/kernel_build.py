@@ -22,7 +22,7 @@ from kvstrata.worker.gguf_loader import cache_root
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("gemm.c", "dense_decode.c", "prefill_attention.c", "paged_attention.c", "kv_write.c",
                          "norm.c", "rope.c", "layer.c", "block_copy.c", "crc32.c", "argmax.c", "bf16_ops.c",
-                         "amx_gemm.c", "io_pool.c", "sample.c", "greedy_head.c")]
+                         "int8_head.c", "amx_gemm.c", "io_pool.c", "sample.c", "greedy_head.c")]
 # part of the build's identity, not compiled alone
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vec.h", "kv_rows.h", "thread_slot.h")]
 # -std=c11 alone turns floating-point contraction off; the kernels are written for fused multiply-adds
