@@ -172,6 +172,14 @@ def test_the_int8_copys_scales_sums_and_residual_norms_bound_what_they_claim(cop
     assert (xnorms[:, 1] >= ideal * (1 - 1e-3)).all()
 
 
+def _x_qmax(k: int) -> int:
+    """x's largest code in this build: 32639 with AVX-512 VNNI (hi within +-127); with AVX2, 32767,
+    fewer for long rows (each lane's 2 kq products within int32)."""
+    if KERNELS._lib.kvs_int8_head_available() == 2:
+        return min(32767, (2 ** 31 - 1) // (254 * ((k + 3) // 4)))
+    return 32639
+
+
 def _x_scale(x: torch.Tensor, hi_dims: int) -> torch.Tensor:
     """Each row's s_x [rows, 1] (float32) as csrc/int8_head.c chooses it: with AVX-512 VNNI, max |x| /
     32639 or, for hi_dims 0-64, where larger, the (hi_dims + 1)-th largest |x_k| / 127; with AVX2, max
@@ -179,9 +187,9 @@ def _x_scale(x: torch.Tensor, hi_dims: int) -> torch.Tensor:
     division)."""
     k = x.shape[1]
     big = x.abs().amax(dim=1, keepdim=True).double()
+    s = (big / _x_qmax(k)).float()
     if KERNELS._lib.kvs_int8_head_available() == 2:
-        return (big / min(32767, (2 ** 31 - 1) // (254 * ((k + 3) // 4)))).float()
-    s = (big / 32639).float()
+        return s
     if 0 <= hi_dims < k and hi_dims <= 64:
         t = x.abs().sort(dim=1, descending=True).values[:, hi_dims:hi_dims + 1].double()
         s = torch.maximum(s, (t / 127).float())
@@ -191,13 +199,9 @@ def _x_scale(x: torch.Tensor, hi_dims: int) -> torch.Tensor:
 def _x_codes(x: torch.Tensor, hi_dims: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(s_x [rows, 1], qx [rows, k]) as the C kernel takes them: qx = round(x * (1 / s_x)) in float32,
     ties to even, within the build's largest code."""
-    k = x.shape[1]
     sx = _x_scale(x, hi_dims)
     inv = torch.where(sx > 0, (1 / sx.double()).float(), torch.zeros_like(sx))
-    if KERNELS._lib.kvs_int8_head_available() == 2:
-        qmax = min(32767, (2 ** 31 - 1) // (254 * ((k + 3) // 4)))
-    else:
-        qmax = 32639
+    qmax = _x_qmax(x.shape[1])
     return sx, (x * inv).round().clamp(-qmax, qmax)
 
 
