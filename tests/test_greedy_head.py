@@ -162,7 +162,7 @@ def test_the_int8_copys_scales_sums_and_residual_norms_bound_what_they_claim(cop
     assert (enorm >= residual).all() and (enorm <= residual * (1 + 1e-5) + 1e-30).all()
     x = torch.randn(5, k, generator=gen) * 3
     x[2, 7] = 40.0  # one large value: taken to x's high byte, not to the row's scale (AVX2: it coarsens it)
-    xnorms = greedy._approx_into(x, torch.empty(5, v)).double()
+    xnorms = greedy._approx_into(x, torch.empty(5, v), greedy.hi_dims).double()
     xd = x.double()
     sx = _x_scale(x, greedy.hi_dims).double()
     assert (xnorms[:, 0] >= xd.norm(dim=1)).all() and (xnorms[:, 0] <= xd.norm(dim=1) * (1 + 1e-5)).all()
@@ -364,6 +364,49 @@ def test_a_bf16_models_greedy_tokens_are_its_own_logits_argmax(vocab, k, copy_en
     copy_env("bf16")
     with pytest.raises(ValueError, match="int8 copy"):
         GreedyHead(KERNELS, head, packed)
+
+
+@needs_int8
+def test_a_bf16_models_ways_give_the_same_tokens_and_the_calls_take_the_fastest(copy_env):
+    """Each of a bf16 model's ways (the int8 copy with x's largest values past a byte or all at 16 bits,
+    its own head) gives its logits' argmax and their values; the calls, timed by the choice's clock,
+    then go the fastest way: with the own head the quickest, nothing is checked any more."""
+    from kvstrata.worker.greedy_head import OWN_WAY, WAY_HI_DIMS
+
+    head, x, packed, greedy = _made(copy_env, "int8", _bf16_model_head, 1000, 576)
+    choice = greedy.choice
+    assert OWN_WAY in choice.ways and set(choice.ways) - {OWN_WAY} <= set(WAY_HI_DIMS) and len(choice.ways) >= 2
+    logits = KERNELS.gemm(x, packed, None, to_float=True)
+    want = KERNELS.argmax(logits)
+    for way in choice.ways:
+        choice.pick = lambda rows, way=way: way
+        values = torch.full((len(x),), float("nan"))
+        before = greedy.checked
+        assert torch.equal(greedy.tokens(x, values), want), way
+        assert torch.equal(values, logits[torch.arange(len(x)), want]), way
+        assert (greedy.checked > before) == (way != OWN_WAY), way
+    del choice.pick
+    cost = {way: 1.0 + (way != OWN_WAY) for way in choice.ways}  # seconds a call of 8 rows
+    taken: list[str] = []
+    reads: list[float] = []
+    real = choice.pick
+
+    def pick(rows: int) -> str:
+        taken.append(real(rows))
+        return taken[-1]
+
+    def clock() -> float:  # read before and after each call: the second read moves by the way's cost
+        reads.append(reads[-1] + (cost[taken[-1]] if len(reads) % 2 else 0.0) if reads else 0.0)
+        return reads[-1]
+
+    choice.pick, choice.clock = pick, clock
+    for _ in range(choice.samples * len(choice.ways)):
+        assert torch.equal(greedy.tokens(x[:8]), want[:8])
+    assert sorted(set(taken)) == sorted(choice.ways)
+    before = greedy.checked
+    for _ in range(5):
+        assert torch.equal(greedy.tokens(x[:8]), want[:8])
+    assert greedy.checked == before and taken[-5:] == [OWN_WAY] * 5 and choice.best(8) == OWN_WAY
 
 
 def test_the_copy_is_chosen_by_its_switch_or_by_the_build(monkeypatch):

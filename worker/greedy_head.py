@@ -13,6 +13,10 @@ give, bit for bit (csrc/greedy_head.c has the bounds). The copy is either
   cycle where the CPU has bf16 dot products or AMX tiles).
 
 int8 where the build has its products, else bf16; KVSTRATA_GREEDY_HEAD_COPY=int8 or bf16 chooses.
+A bf16 model's calls choose, call by call, among the int8 copy with x's few largest values past a
+byte, the copy with all of x at 16 bits and the model's own head, by the times of the calls
+themselves (worker/head_choice.py): the tokens the bound leaves cost a bf16 model a group of its
+GEMM each, and how many it leaves depends on the rows.
 Two byte dot products a quad of k (x's high and low bytes) make as many multiply-adds a cycle as
 one bf16 dot product a pair, so the int8 copy gains where the head streams from memory: on a 2-core
 Zen 4 EPYC, against the bf16 copy, 1.4-1.8x at 1 row and 1.2-1.5x at 4, even from 8 to 32 rows,
@@ -37,6 +41,7 @@ import time
 import torch
 
 from kvstrata.worker.cpu_kernels import CpuKernels, PackedWeight
+from kvstrata.worker.head_choice import HeadChoice
 from kvstrata.worker.huge_pages import empty_on_huge_pages
 
 ENV = "KVSTRATA_GREEDY_HEAD"
@@ -48,6 +53,10 @@ _TUNE_ROWS = (4, 8, 12, 16, 24, 32, 48, 64)  # the row counts tune times, in ord
 _MAX_ROWS = 64  # rows per bf16 product: the approximate logits' buffer is kept, [_MAX_ROWS, V] at most
 HI_DIMS = 8  # a float32 model's int8 copy: x's largest values past one byte (GreedyHead.hi_dims)
 HI_DIMS_ALL = -1  # every value of x at 16 bits
+# a bf16 model's ways to its tokens (worker/head_choice.py): the int8 copy with x's largest values past
+# a byte, or all at 16 bits (where the build splits them: AVX-512 VNNI, AMX), and its own head
+WAY_HI_DIMS = {"int8": HI_DIMS, "int8-16": HI_DIMS_ALL}
+OWN_WAY = "own"
 
 
 def wanted() -> bool:
@@ -134,11 +143,16 @@ class GreedyHead:
         self.packed = packed
         self.copy = chosen_copy(kernels)
         # the int8 copy's x: its hi_dims largest values past one byte, so that the rest multiply as one
-        # (csrc/int8_head.c); a bf16 model's takes all at 16 bits, each token left to check costing
-        # it a group's products
+        # (csrc/int8_head.c); a bf16 model's calls choose among its ways as they come (`choice`): each
+        # token the bound leaves costs it a group of its GEMM, and how many it leaves depends on the
+        # rows (a float32 model's cost a row of the head each: HI_DIMS, measured on the model's rows)
         self.hi_dims = HI_DIMS_ALL if self.model_bf16 else HI_DIMS
         if self.model_bf16 and self.copy != "int8":
             raise ValueError("a bf16 model's greedy head needs the int8 copy")
+        self.choice: HeadChoice | None = None
+        if self.model_bf16:
+            split = int8_tile_cols(kernels) == 64  # AVX2 builds keep every value at 16 bits
+            self.choice = HeadChoice(("int8", "int8-16", OWN_WAY) if split else ("int8-16", OWN_WAY))
         head = head.float()
         self.head_rows = head.contiguous() if kept and not self.model_bf16 else None
         self.bf16: PackedWeight | None = None
@@ -175,14 +189,35 @@ class GreedyHead:
         those logits."""
         if x.dtype != self.packed.data.dtype or x.dim() != 2 or x.shape[1] != self.packed.k:
             raise ValueError(f"GreedyHead.tokens needs {self.packed.data.dtype} rows [N, {self.packed.k}]")
-        if not self.takes(x.shape[0]):
+        n = x.shape[0]
+        if values is not None and (values.dtype != torch.float32 or values.shape != (n,) or not values.is_contiguous()):
+            raise ValueError(f"GreedyHead.tokens: values must be a dense float32 [{n}]")
+        if not self.takes(n):
             return None  # the float32 head is as fast here (see tune)
         x = x.contiguous()
+        if self.choice is None or n == 0:
+            return self._copy_tokens(x, values, self.hi_dims)
+        way = self.choice.pick(n)
+        t0 = self.choice.clock()
+        out = self._own_tokens(x, values) if way == OWN_WAY else self._copy_tokens(x, values, WAY_HI_DIMS[way])
+        if out is not None:
+            self.choice.record(n, way, self.choice.clock() - t0)
+        return out
+
+    def _own_tokens(self, x: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor | None:
+        """A bf16 model's own head and its argmax: the logits and the tokens the caller would take
+        without a greedy head (None where a row's logits hold a NaN, as there)."""
+        logits = self._kernels.gemm(x, self.packed, None, to_float=True)
+        out = self._kernels.argmax(logits)
+        if out is not None and values is not None:
+            values.copy_(logits.gather(1, out[:, None])[:, 0])
+        return out
+
+    def _copy_tokens(self, x: torch.Tensor, values: torch.Tensor | None, hi_dims: int) -> torch.Tensor | None:
+        """`tokens` through the copy, x's hi_dims largest values past a byte (HI_DIMS_ALL: none)."""
         xb = x if self.model_bf16 else None  # a bf16 model's rows as its GEMM takes them
         x = x.float() if self.model_bf16 else x
         n, v, k = x.shape[0], self.packed.n, self.packed.k
-        if values is not None and (values.dtype != torch.float32 or values.shape != (n,) or not values.is_contiguous()):
-            raise ValueError(f"GreedyHead.tokens: values must be a dense float32 [{n}]")
         out = torch.empty(n, dtype=torch.int64)
         checked = torch.empty(n, dtype=torch.int64)  # each row's count, written by its pick
         # (slices and their pointers only past the first chunk: each tensor call counts at one row)
@@ -195,7 +230,7 @@ class GreedyHead:
             tail = (rows, v, k, out_p + r0 * out.element_size(),
                     None if values is None else values_p + r0 * values.element_size(),
                     checked_p + r0 * checked.element_size())
-            xnorms = self._approx_into(xr, approx)
+            xnorms = self._approx_into(xr, approx, hi_dims)
             if xnorms is None:
                 return None
             int8 = (None, None) if self.bf16 is not None else (xnorms.data_ptr(), self.int8_enorm.data_ptr())
@@ -212,12 +247,13 @@ class GreedyHead:
         """The copy's logits of x [N, K]: what the first pass bounds (for tests)."""
         x = x.float().contiguous()
         approx = torch.empty(x.shape[0], self.packed.n, dtype=torch.float32)
-        if self._approx_into(x, approx) is None:
+        if self._approx_into(x, approx, self.hi_dims) is None:
             raise MemoryError("no memory for the int8 copy's work")
         return approx
 
-    def _approx_into(self, x: torch.Tensor, approx: torch.Tensor) -> torch.Tensor | None:
-        """The copy's logits of x [rows, K] into approx [rows, V]; returns the int8 copy's row norms
+    def _approx_into(self, x: torch.Tensor, approx: torch.Tensor, hi_dims: int) -> torch.Tensor | None:
+        """The copy's logits of x [rows, K] into approx [rows, V] (the int8 copy: x's hi_dims largest
+        values past a byte); returns the int8 copy's row norms
         ([rows, 2]: |x| and |e_x|; an empty tensor for the bf16 copy), None without memory."""
         rows, v, k = x.shape[0], self.packed.n, self.packed.k
         if self.bf16 is not None:
@@ -225,7 +261,7 @@ class GreedyHead:
             return torch.empty(0)
         xnorms = torch.empty(rows, 2, dtype=torch.float32)
         if self._lib.kvs_int8_head_approx(x.data_ptr(), rows, k, self.int8.data_ptr(), self.int8_scale.data_ptr(),
-                                          self.int8_rowsum.data_ptr(), v, self.hi_dims, approx.data_ptr(),
+                                          self.int8_rowsum.data_ptr(), v, hi_dims, approx.data_ptr(),
                                           xnorms.data_ptr()):
             return None
         return xnorms
@@ -242,16 +278,18 @@ class GreedyHead:
         16, 24, 32, 48 and 64 rows in turn until the float32 head's median is the lower, and keeps the
         last count at which the copy won (None if it won at all of them, 0 if at none). On a 2-core
         Zen 3 EPYC (AVX2), over five timings, the copy ran 1.5-2.2x faster at 1-4 rows, 0.92-1.65x at
-        8, 0.87-1.27x at 12 and 0.87-1.04x at 16-32. A bf16 model's int8 copy is timed so against
-        the model's own bf16 head. The tokens are the same bits either way. KVSTRATA_GREEDY_HEAD_ROWS
-        (a whole number) sets it without timing."""
+        8, 0.87-1.27x at 12 and 0.87-1.04x at 16-32. A bf16 model's head takes any rows its GEMM takes
+        (row_limit), untimed here: its calls choose between the int8 copy and the model's own head as
+        they come (`choice`, worker/head_choice.py), since the rows, not the host alone, decide. The
+        tokens are the same bits either way. KVSTRATA_GREEDY_HEAD_ROWS (a whole number) sets it
+        without timing."""
         env = os.environ.get(ROWS_ENV)
         if env is not None:
             if not env.isdigit():
                 raise ValueError(f"{ROWS_ENV} must be a whole number of rows, not {env!r}")
             self.max_rows = int(env)
-        elif (self._kernels.amx or self._kernels.bf16_dot or self.copy == "int8") and not self.model_bf16:
-            self.max_rows = None
+        elif self._kernels.amx or self._kernels.bf16_dot or self.copy == "int8":
+            self.max_rows = None  # (a bf16 model's calls choose their way as they come: `choice`)
         else:
             if self.bf16 is not None:  # how its blocks of 16 rows and more widen (once a process)
                 self._kernels.tune_wide_copy([self.bf16])

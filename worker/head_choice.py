@@ -1,0 +1,84 @@
+"""Which way a call of greedy rows goes, chosen by timing the calls themselves (worker/greedy_head.py).
+
+A bf16 model's greedy head has three ways to its tokens, all with the same bits: the int8 copy with
+x's few largest values past a byte, the int8 copy with every value of x at 16 bits, and the model's
+own bf16 head with its argmax. Which is fastest depends on the rows as much as on the host: each
+token the copy's bound leaves costs a group of the model's GEMM, and how many it leaves goes with
+how sure the model is. On a 2-core Zen 4 EPYC, at 32 rows, rows from decoding (the model sure of
+its next token: 2-10 tokens left a row) took 3.9-4.7 ms through the first way, 5.3-5.9 through the
+second and 5.3-5.6 through the model's head; rows a few tokens after a random prompt (50-260 left a
+row) 14.4, 7.4 and 5.5 ms. A timing at load, on rows made up there, cannot know which rows the
+engine will serve.
+
+So the calls choose: calls are grouped by row count (1, 2-3, 4-7, ... 32-63, 64), and in each group
+every way is first taken `samples` times; from then on a call takes the way whose last `samples`
+calls had the least median time a row, and every `explore_every`-th call of the group takes one of
+the others in turn, so that a change in the rows (a new workload) moves the choice. The cost of a
+look at a slower way is spread over `explore_every` calls: at most (its time - the best) / 64 a call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from statistics import median
+from typing import Callable
+
+
+class HeadChoice:
+    def __init__(self, ways: tuple[str, ...], samples: int = 5, explore_every: int = 64,
+                 clock: Callable[[], float] = time.perf_counter):
+        if not ways or len(set(ways)) != len(ways):
+            raise ValueError("HeadChoice needs distinct ways")
+        if samples < 1 or explore_every < 2:
+            raise ValueError("HeadChoice needs samples >= 1 and explore_every >= 2")
+        self.ways = ways
+        self.samples = samples
+        self.explore_every = explore_every
+        self.clock = clock  # what the caller times its calls with
+        self._times: dict[tuple[int, str], deque[float]] = {}  # (group, way) -> the last seconds a row
+        self._calls: dict[int, int] = {}  # group -> calls chosen so far
+        self.taken = {way: 0 for way in ways}  # calls each way took (for tests and benchmarks)
+
+    @staticmethod
+    def group(rows: int) -> int:
+        """The group of a call of `rows` rows: rows' bit length (1, 2-3, 4-7, ...)."""
+        if rows < 1:
+            raise ValueError(f"rows must be at least 1, not {rows}")
+        return rows.bit_length()
+
+    def pick(self, rows: int) -> str:
+        """The way a call of `rows` rows takes; `record` its time after."""
+        g = self.group(rows)
+        calls = self._calls[g] = self._calls.get(g, 0) + 1
+        way = self._unsampled(g) or self.best(rows)
+        if calls % self.explore_every == 0 and len(self.ways) > 1:
+            others = [w for w in self.ways if w != way]
+            way = others[(calls // self.explore_every - 1) % len(others)]
+        self.taken[way] += 1
+        return way
+
+    def record(self, rows: int, way: str, seconds: float) -> None:
+        """A call of `rows` rows took `seconds` the way `pick` gave."""
+        if way not in self.ways:
+            raise ValueError(f"no way {way!r}: {self.ways}")
+        key = (self.group(rows), way)
+        times = self._times.get(key)
+        if times is None:
+            times = self._times[key] = deque(maxlen=self.samples)
+        times.append(seconds / rows)
+
+    def best(self, rows: int) -> str:
+        """The way with the least median time a row among the group's sampled ways (the first way while
+        none is sampled)."""
+        g = self.group(rows)
+        sampled = [(median(self._times[(g, w)]), i) for i, w in enumerate(self.ways) if (g, w) in self._times]
+        return self.ways[min(sampled)[1]] if sampled else self.ways[0]
+
+    def _unsampled(self, g: int) -> str | None:
+        """The first way with fewer than `samples` times in group g, if any."""
+        for way in self.ways:
+            times = self._times.get((g, way))
+            if times is None or len(times) < self.samples:
+                return way
+        return None
