@@ -4,11 +4,12 @@ A bf16 model's greedy head has three ways to its tokens, all with the same bits:
 x's few largest values past a byte, the int8 copy with every value of x at 16 bits, and the model's
 own bf16 head with its argmax. Which is fastest depends on the rows as much as on the host: each
 token the copy's bound leaves costs a group of the model's GEMM, and how many it leaves goes with
-how sure the model is. On a 2-core Zen 4 EPYC, at 32 rows, rows from decoding (the model sure of
-its next token: 2-10 tokens left a row) took 3.9-4.7 ms through the first way, 5.3-5.9 through the
-second and 5.3-5.6 through the model's head; rows a few tokens after a random prompt (50-260 left a
-row) 14.4, 7.4 and 5.5 ms. A timing at load, on rows made up there, cannot know which rows the
-engine will serve.
+how sure the model is. On a 2-core Zen 4 EPYC, 32 rows with the caches flushed: rows of chat
+answers took 4.3-5.0 ms through the first way (12-19 tokens left a row), 5.5-5.9 through the
+second (5-7) and 5.1-5.8 through the model's head; the first decode steps after random 256-token
+prompts 18.7-21.0 ms (385-399 left a row), 8.3-9.0 (71-73) and 5.3, and the same sequences a
+dozen steps on 3.8-4.3 (6-12), 5.1-5.5 (2-3) and 5.0-5.2. A timing at load, on rows made up
+there, cannot know which rows the engine will serve.
 
 So the calls choose: calls are grouped by row count (1, 2-3, 4-7, ... 32-63, 64), and in each group
 every way is first taken `samples` times; from then on a call takes the way whose last `samples`
