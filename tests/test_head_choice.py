@@ -20,16 +20,20 @@ def test_calls_are_grouped_by_their_rows_bit_length():
         HeadChoice.group(0)
 
 
-def test_every_way_is_sampled_then_the_fastest_taken_with_a_look_at_the_others():
+def test_every_way_is_sampled_then_the_fastest_taken_with_looks_at_the_others_backing_off():
     choice = HeadChoice(("a", "b", "c"), samples=2, explore_every=8)
     speed = {"a": 3.0, "b": 1.0, "c": 2.0}
-    ways = [_call(choice, 16, speed) for _ in range(32)]
+    ways = [_call(choice, 16, speed) for _ in range(80)]
     assert ways[:6] == ["a", "a", "b", "b", "c", "c"]
-    looks = {i: w for i, w in enumerate(ways) if w != "b"}
-    # calls 8, 16, 24 and 32 (counted from 1) look at the other ways in turn; every other call takes b
-    assert looks == {0: "a", 1: "a", 4: "c", 5: "c", 7: "a", 15: "c", 23: "a", 31: "c"}
-    assert choice.taken == {"a": 4, "b": 24, "c": 4}
+    looks = {i + 1: w for i, w in enumerate(ways[6:], start=6) if w != "b"}
+    # b chosen at call 7: a looked at 8 calls on, c 16; each look that finds the way slower doubles its gap
+    assert looks == {15: "a", 23: "c", 31: "a", 39: "c", 63: "a", 71: "c"}
+    assert choice.taken == {"a": 5, "b": 70, "c": 5}
     assert choice.best(16) == "b" and choice.best(31) == "b"
+    many = HeadChoice(("a", "b"), samples=1, explore_every=2)
+    calls = [_call(many, 4, {"a": 1.0, "b": 2.0}) for _ in range(300)]
+    gaps = [j - i for i, j in zip(*[[k for k, w in enumerate(calls) if w == "b"][n:] for n in (1, 2)])]
+    assert gaps[:5] == [4, 8, 16, 32, 32]  # up to explore_every * MAX_BACKOFF calls apart
 
 
 def test_groups_choose_apart_and_time_a_row():
