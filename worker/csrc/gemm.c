@@ -659,16 +659,16 @@ static inline __attribute__((always_inline)) void emit_silu(const float *gate, c
 }
 
 /* The same for bf16 [m, n] act, as a bf16 model rounds: gate and up rounded to bf16 (as the product's
- * bf16 y holds them), then kvs_silu_mul_bf16's arithmetic on them. */
+ * bf16 y holds them), then kvs_silu_mul_bf16's arithmetic on them. They are rounded in registers
+ * (round_bf16v), not stored as bf16 and widened back: the same values, a NaN aside, and a NaN in
+ * either comes out as the quiet NaN all the same (store_bf16v); 1.05x on a Zen 5 core. */
 static inline __attribute__((always_inline)) void emit_silu_bf16(const float *gate, const float *up, uint16_t *act,
                                                                  int64_t r0, int64_t r1, int64_t n, int64_t c0) {
-    uint16_t g[NR], u[NR];
-    for (int64_t r = r0; r < r1; r++) {
-        emit(gate + (r - r0) * NR, NULL, g, Y_BF16, 0, NR);
-        emit(up + (r - r0) * NR, NULL, u, Y_BF16, 0, NR);
-        for (int c = 0; c < NR; c += VW)
-            store_bf16v(act + r * n + c0 + c, round_bf16v(siluv(widen_bf16(g + c))) * widen_bf16(u + c));
-    }
+    for (int64_t r = r0; r < r1; r++)
+        for (int c = 0; c < NR; c += VW) {
+            vf g = round_bf16v(loadv(gate + (r - r0) * NR + c)), u = round_bf16v(loadv(up + (r - r0) * NR + c));
+            store_bf16v(act + r * n + c0 + c, round_bf16v(siluv(g)) * u);
+        }
 }
 
 /* The (block, group) tasks, taken by the threads in runs of consecutive tasks as each
