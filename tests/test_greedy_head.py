@@ -347,7 +347,7 @@ def test_a_bf16_models_greedy_tokens_are_its_own_logits_argmax(vocab, k, copy_en
     from kvstrata.worker.greedy_head import GreedyHead
 
     head, x, packed, greedy = _made(copy_env, "int8", _bf16_model_head, vocab, k, kept=True)
-    assert greedy.model_bf16 and greedy.head_rows is None
+    assert greedy.model_bf16 and greedy.head_rows.data_ptr() == head.data_ptr()  # kept: read in place
     logits = KERNELS.gemm(x, packed, None, to_float=True)  # the model's own logits, as bf16 values
     want = KERNELS.argmax(logits)
     sums = x.float() @ head.float().T
@@ -364,6 +364,85 @@ def test_a_bf16_models_greedy_tokens_are_its_own_logits_argmax(vocab, k, copy_en
     copy_env("bf16")
     with pytest.raises(ValueError, match="int8 copy"):
         GreedyHead(KERNELS, head, packed)
+
+
+def _crowded_bf16_head(vocab: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 head whose first 40 rows are one row plus noise far below a bf16 step of the rows' logits,
+    and rows x that favour that row: each row of x leaves dozens of tokens to check."""
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randn(vocab, k, generator=gen) * 0.02
+    base = torch.randn(k, generator=gen) * 0.05
+    head[:40] = base + torch.randn(40, k, generator=gen) * 1e-4
+    x = (base * 40 + torch.randn(12, k, generator=gen) * 0.1).bfloat16()
+    return head.bfloat16(), x
+
+
+@needs_int8
+@pytest.mark.parametrize("k", [576, 70])  # k pairs a whole number of 16, and a tail of 3
+@pytest.mark.parametrize("dot", [True, False])  # the GEMM on bf16 dot products, or widened
+def test_a_bf16_models_checks_from_its_rows_give_its_gemms_bits(k, dot, copy_env):
+    """The tokens a bf16 model's bound leaves, computed from the head's rows 16 at a time (kept rows,
+    the GEMM on bf16 dot products) or group by group by its GEMM, have the GEMM's logits bit for bit:
+    the answers and their values match its own head's with dozens of tokens checked a row."""
+    from kvstrata.worker.greedy_head import GreedyHead, WAY_HI_DIMS
+
+    lib = KERNELS._lib
+    if dot and not KERNELS.bf16_dot:
+        pytest.skip("no bf16 dot products in this build or CPU")
+    assert lib.kvs_bf16_dot_enable(int(dot)) == dot
+    try:
+        copy_env("int8")
+        head, x = _crowded_bf16_head(3000, k, seed=k)
+        packed = KERNELS.pack(head)
+        logits = KERNELS.gemm(x, packed, None, to_float=True)
+        want = KERNELS.argmax(logits)
+        for kept in (True, False):
+            greedy = GreedyHead(KERNELS, head, packed, kept=kept)
+            for hi_dims in sorted(set(WAY_HI_DIMS.values())):
+                values = torch.full((len(x),), float("nan"))
+                before = greedy.checked
+                assert torch.equal(greedy._copy_tokens(x, values, hi_dims), want), (kept, hi_dims)
+                assert torch.equal(values, logits[torch.arange(len(x)), want]), (kept, hi_dims)
+                assert greedy.checked - before > 16 * len(x), (kept, hi_dims)  # more than a batch of 16 a row
+        # the kept rows are what the checks read on the dot products (and only there): rows moved away
+        # from the packed head move the answers' values
+        greedy = GreedyHead(KERNELS, head, packed, kept=True)
+        greedy.head_rows = head.clone()
+        greedy.head_rows[:40] = 0
+        values = torch.full((len(x),), float("nan"))
+        greedy._copy_tokens(x, values, -1)
+        assert torch.equal(values, logits[torch.arange(len(x)), want]) != dot
+    finally:
+        lib.kvs_bf16_dot_enable(int(KERNELS.bf16_dot))
+
+
+@needs_int8
+@pytest.mark.parametrize("k", [576, 70, 2])
+def test_bf16_dot_logits_are_the_gemms_float32_sums(k):
+    """csrc/greedy_head.c's dot_logits, 1 to 16 columns at once from the head's rows, against the
+    packed GEMM's float32 sums on bf16 dot products: the same bits."""
+    import ctypes
+
+    if not KERNELS.bf16_dot:
+        pytest.skip("no bf16 dot products in this build or CPU")
+    lib = KERNELS._lib
+    lib.kvs_greedy_dot_logits.restype = ctypes.c_int
+    lib.kvs_greedy_dot_logits.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                          ctypes.c_int, ctypes.c_void_p]
+    gen = torch.Generator().manual_seed(k)
+    head = (torch.randn(500, k, generator=gen) * torch.logspace(-3, 2, k)).bfloat16()  # sums that round
+    x = (torch.randn(3, k, generator=gen) * 10).bfloat16()
+    sums = torch.empty(3, 500)
+    packed = KERNELS.pack(head)  # held: C gets only its pointer
+    lib.kvs_gemm_bf16x(x.data_ptr(), k, packed.data.data_ptr(), None, sums.data_ptr(), 0, 3, 500, k)
+    for count in (1, 5, 16):
+        idx = torch.randint(0, 500, (count,), generator=gen, dtype=torch.int32)
+        for r in range(3):
+            out = torch.full((count,), float("nan"))
+            assert lib.kvs_greedy_dot_logits(x[r].data_ptr(), head.data_ptr(), k, idx.data_ptr(), count,
+                                             out.data_ptr()) == 0
+            assert torch.equal(out, sums[r, idx.long()]), (count, r)
+    assert lib.kvs_greedy_dot_logits(x[0].data_ptr(), head.data_ptr(), k, idx.data_ptr(), 17, out.data_ptr()) == -1
 
 
 @needs_int8

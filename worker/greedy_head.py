@@ -123,9 +123,11 @@ class GreedyHead:
         """head: the head [V, K] (its row norms are taken here); packed: the same head as the model's
         GEMM packed it, float32 or, for a bf16 model, bf16 (which takes the int8 copy only: its
         logits are its GEMM's sums rounded to bf16, and the tokens the bound leaves are computed
-        group by group by that GEMM). The float32 logits left to compute read the head's rows: from
-        `head` itself where the caller keeps it anyway (kept: a tied embedding), else from the packed
-        copy (the same values, a read every group's width of floats)."""
+        group by group by that GEMM, or from `head`'s rows, below). The float32 logits left to
+        compute read the head's rows: from `head` itself where the caller keeps it anyway (kept: a
+        tied embedding), else from the packed copy (the same values, a read every group's width of
+        floats). A bf16 model's read `head`'s rows where kept and its GEMM runs on bf16 dot
+        products, the same sums as that GEMM's."""
         self.model_bf16 = packed.data.dtype == torch.bfloat16
         if head.shape != (packed.n, packed.k) or head.dtype != packed.data.dtype \
                 or head.dtype not in (torch.float32, torch.bfloat16):
@@ -153,8 +155,11 @@ class GreedyHead:
         if self.model_bf16:
             split = int8_tile_cols(kernels) == 64  # AVX2 builds keep every value at 16 bits
             self.choice = HeadChoice(("int8", "int8-16", OWN_WAY) if split else ("int8-16", OWN_WAY))
+        # the head's rows in the model's dtype, where the caller keeps them anyway (a tied embedding): a
+        # float32 model's logits left to check read them, and so do a bf16 model's where its GEMM runs
+        # on bf16 dot products (csrc/greedy_head.c, dot_logits)
+        self.head_rows = head.contiguous() if kept else None
         head = head.float()
-        self.head_rows = head.contiguous() if kept and not self.model_bf16 else None
         self.bf16: PackedWeight | None = None
         if self.copy == "int8":
             self.int8, self.int8_scale, self.int8_rowsum, self.int8_enorm = _int8_copy(kernels, head)

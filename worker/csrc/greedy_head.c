@@ -70,6 +70,7 @@ static void exact_logits(const float *x, const float *rows, const float *wp, int
 void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const float *bias, void *y, int form,
                     int64_t m, int64_t n, int64_t k);
 int kvs_amx_active(void);
+int kvs_bf16_dot_active(void);
 void kvs_amx_row_config(void);
 void kvs_amx_row_tile(const uint16_t *xp, const uint16_t *wp, int64_t kb_count, int64_t tile, float *out);
 void kvs_amx_row_release(void);
@@ -79,14 +80,85 @@ void kvs_amx_row_release(void);
  * rounded to bf16 (Y_BF16_IN_F32), and a column's sum does not depend on which columns or rows are
  * computed beside it, so one group's products give the bits the whole head's would. A group is
  * `cols` columns: the packed GEMM's (group_elems elements each), or on AMX tiles (amx) one
- * 16-column tile (kvs_amx_row_tile; xpad: the row padded to kb_count k blocks of 32). */
+ * 16-column tile (kvs_amx_row_tile; xpad: the row padded to kb_count k blocks of 32). With `rows`
+ * (the head [n, k] row-major, a tied embedding) where the GEMM runs on bf16 dot products, the
+ * candidates' sums come from those rows instead, VW at a time (dot_logits). */
 typedef struct {
-    const uint16_t *xb, *wb;
+    const uint16_t *xb, *wb, *rows;
     int64_t group_elems, cols, kb_count;
     int amx;
     uint16_t *xpad;
     float *group;
 } Bf16Head;
+
+#if VW == 16 && defined(__AVX512BF16__)
+#define DOT_LOGITS 1
+/* m[c] = column c of the 16 x 16 words m[r] (lane r of m[c] = lane c of m[r] before). */
+static inline __attribute__((always_inline)) void transpose16(__m512i m[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(m[i], m[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(m[i], m[i + 1]);
+    }
+    for (int j = 0; j < 16; j += 4) { /* u[j + c], 128-bit block b: rows j .. j + 3 at column 4 b + c */
+        u[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
+        u[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
+        u[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
+        u[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512i w0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), w1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        __m512i w2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), w3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        m[c] = _mm512_shuffle_i32x4(w0, w2, 0x88);
+        m[4 + c] = _mm512_shuffle_i32x4(w0, w2, 0xDD);
+        m[8 + c] = _mm512_shuffle_i32x4(w1, w3, 0x88);
+        m[12 + c] = _mm512_shuffle_i32x4(w1, w3, 0xDD);
+    }
+}
+
+/* The float32 sums the model's GEMM on bf16 dot products (csrc/gemm.c, dot_micro) makes for columns
+ * idx[0 .. count) (count <= 16) of x's row (k even), into out: there each column is one lane's chain
+ * of VDPBF16PS over x's k pairs in order from zero, a pair of x broadcast against the column's
+ * pair. Here lane i carries column idx[i]'s chain, the same instruction on the same operands in the
+ * same order, so the same bits; its pairs come from the head's row-major rows, 16 pairs of 16 rows
+ * turned into 16 vectors of one pair each. Against a group of the GEMM for each candidate (48
+ * columns, 55 KB of the packed head for SmolLM2), a candidate reads its own row: 1.1 KB. */
+static void dot_logits(const uint16_t *xb, const uint16_t *rows, int64_t k, const int32_t *idx, int count,
+                       float *out) {
+    const uint32_t *x = (const uint32_t *)xb, *r[16];
+    int64_t kp = k / 2;
+    for (int i = 0; i < 16; i++) r[i] = (const uint32_t *)(rows + (int64_t)idx[i < count ? i : 0] * k);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < kp; k0 += 16) {
+        int n = kp - k0 < 16 ? (int)(kp - k0) : 16;
+        __mmask16 live = (__mmask16)((1u << n) - 1);
+        __m512i m[16];
+        for (int i = 0; i < 16; i++) m[i] = _mm512_maskz_loadu_epi32(live, r[i] + k0);
+        transpose16(m);
+        for (int j = 0; j < n; j++)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)x[k0 + j]), (__m512bh)m[j]);
+    }
+    float all[16];
+    _mm512_storeu_ps(all, acc);
+    memcpy(out, all, (size_t)count * sizeof *out);
+}
+#else
+#define DOT_LOGITS 0
+#endif
+
+/* dot_logits for tests: the float32 sums of columns idx[0 .. count) (count <= 16) of the bf16 rows
+ * [n, k] against the bf16 row xb; 0, or -1 where this build has no bf16 dot products. */
+int kvs_greedy_dot_logits(const uint16_t *xb, const uint16_t *rows, int64_t k, const int32_t *idx, int count,
+                          float *out) {
+#if DOT_LOGITS
+    if (count < 1 || count > 16 || k % 2) return -1;
+    dot_logits(xb, rows, k, idx, count, out);
+    return 0;
+#else
+    (void)xb, (void)rows, (void)k, (void)idx, (void)count, (void)out;
+    return -1;
+#endif
+}
 
 /* One row: its answer into *out (and its logit into *value, the tokens checked into *checked);
  * returns 0, or 1 where the row holds a non-finite value. idx [n + CHAINS] and top [blocks]: room.
@@ -159,7 +231,23 @@ static inline __attribute__((always_inline)) int pick_row(const float *xr, const
         memcpy(bf->xpad, bf->xb, (size_t)k * sizeof *bf->xpad); /* the padding past k stays zero */
         kvs_amx_row_config();
     }
-    for (int64_t i = 0, last = -1; bf && i < count; i++) {
+#if DOT_LOGITS
+    for (int64_t i0 = 0; bf && bf->rows && i0 < count; i0 += 16) {
+        int take = count - i0 < 16 ? (int)(count - i0) : 16;
+        float l[16];
+        dot_logits(bf->xb, bf->rows, k, idx + i0, take, l);
+        for (int i = 0; i < take; i++) {
+            uint32_t u = (uint32_t)to_bf16(l[i]) << 16; /* rounded as the GEMM's Y_BF16_IN_F32 */
+            float v;
+            memcpy(&v, &u, sizeof v);
+            if (at < 0 || v > best) {
+                best = v;
+                at = idx[i0 + i];
+            }
+        }
+    }
+#endif
+    for (int64_t i = 0, last = -1; bf && !bf->rows && i < count; i++) {
         int64_t g = idx[i] / bf->cols;
         if (g != last) { /* the candidate's group, by the model's own GEMM */
             if (bf->amx) {
@@ -202,7 +290,8 @@ static inline double gamma_k(int64_t k) {
 /* For each of `rows` rows of x [rows, k] (the head's input) and approx [rows, n] (x times the copy of
  * the head): the first index of the largest logit into out[r]. The float32 head: wp, packed as
  * kvs_gemm_f32 reads it, and `head` [n, k] row-major where the caller has it (else NULL); for a bf16
- * model instead xb (its rows of x in bf16), wb (its packed head) and group_elems (see Bf16Head).
+ * model instead xb (its rows of x in bf16), wb (its packed head) and group_elems (see Bf16Head), and
+ * `head` its rows [n, k] in bf16 where the caller has them (else NULL).
  * wnorm [n]: each head row's 2-norm, rounded up. With the int8 copy (csrc/int8_head.c), xnorms
  * [rows, 2] holds each row's |x| and |e_x|, and enorm [n] each head row's |e_j|, rounded up (NULL
  * both for the bf16 copy). Returns the number of rows that held a non-finite value, or -1 without
@@ -219,7 +308,7 @@ static inline double gamma_k(int64_t k) {
  *
  * so E_j = c1 |w_j| + c2 |e_j| + K 2^-120, with g = gamma_K + 2^-20, c1 = |e_x| + 3 gamma_K |x| +
  * g (|x| + |e_x|) and c2 = (|x| + |e_x|) (1 + g), both rounded up. */
-int64_t kvs_greedy_head(const float *x, const float *approx, const float *xnorms, const float *wp, const float *head,
+int64_t kvs_greedy_head(const float *x, const float *approx, const float *xnorms, const float *wp, const void *head,
                         const float *wnorm, const float *enorm, const uint16_t *xb, const uint16_t *wb,
                         int64_t group_elems, int64_t rows, int64_t n, int64_t k, int64_t *out, float *value,
                         int64_t *checked) {
@@ -232,7 +321,10 @@ int64_t kvs_greedy_head(const float *x, const float *approx, const float *xnorms
         /* on AMX tiles the model's head is packed in 16-column tiles (csrc/amx_gemm.c) */
         int amx = xb != NULL && kvs_amx_active();
         int64_t cols = amx ? 16 : kvs_gemm_group(), kb_count = (k + 31) / 32;
-        Bf16Head bf = {NULL, wb, group_elems, cols, kb_count, amx,
+        /* a bf16 model's rows of the head, where its GEMM runs on bf16 dot products (dot_logits) */
+        const uint16_t *bf_rows = DOT_LOGITS && xb && !amx && kvs_bf16_dot_active() && k % 2 == 0 ? head : NULL;
+        const float *f32_rows = xb ? NULL : head;
+        Bf16Head bf = {NULL, wb, bf_rows, group_elems, cols, kb_count, amx,
                        amx ? calloc((size_t)kb_count * 32, sizeof(uint16_t)) : NULL,
                        xb ? malloc((size_t)cols * sizeof(float)) : NULL};
         int lacking = idx == NULL || top == NULL || (xb && bf.group == NULL) || (amx && bf.xpad == NULL);
@@ -252,14 +344,14 @@ int64_t kvs_greedy_head(const float *x, const float *approx, const float *xnorms
                 double xs = 0.0;
                 for (int64_t kk = 0; kk < k; kk++) xs += (double)xr[kk] * xr[kk];
                 float cx = (float)(c * sqrt(xs) * up); /* c |x|, rounded well up */
-                bad_rows += pick_row(xr, approx + r * n, wp, head, wnorm, NULL, 0, NULL, n, k, cx, 0.0f, idx, top, o,
+                bad_rows += pick_row(xr, approx + r * n, wp, f32_rows, wnorm, NULL, 0, NULL, n, k, cx, 0.0f, idx, top, o,
                                      val, ch);
             } else {
                 double xn = xnorms[2 * r], en = xnorms[2 * r + 1];
                 double g = gamma + 0x1p-20;
                 float c1 = (float)((en + 3.0 * gamma * xn + g * (xn + en)) * up);
                 float c2 = (float)((xn + en) * (1.0 + g) * up);
-                bad_rows += pick_row(xr, approx + r * n, wp, head, wnorm, enorm, 1, xb ? &bf : NULL, n, k, c1, c2, idx,
+                bad_rows += pick_row(xr, approx + r * n, wp, f32_rows, wnorm, enorm, 1, xb ? &bf : NULL, n, k, c1, c2, idx,
                                      top, o, val, ch);
             }
         }
