@@ -108,7 +108,8 @@ static inline __attribute__((always_inline)) void transpose16(__m512i m[16]) {
     }
     for (int c = 0; c < 4; c++) {
         __m512i w0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), w1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-        __m512i w2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), w3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        __m512i w2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+        __m512i w3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
         m[c] = _mm512_shuffle_i32x4(w0, w2, 0x88);
         m[4 + c] = _mm512_shuffle_i32x4(w0, w2, 0xDD);
         m[8 + c] = _mm512_shuffle_i32x4(w1, w3, 0x88);
@@ -235,6 +236,8 @@ static inline __attribute__((always_inline)) int pick_row(const float *xr, const
     for (int64_t i0 = 0; bf && bf->rows && i0 < count; i0 += 16) {
         int take = count - i0 < 16 ? (int)(count - i0) : 16;
         float l[16];
+        for (int64_t i = i0 + 16; i < i0 + 32 && i < count; i++) /* the next 16 rows, read while these are summed */
+            for (int64_t b = 0; b < 2 * k; b += 64) __builtin_prefetch((const char *)(bf->rows + idx[i] * k) + b, 0, 3);
         dot_logits(bf->xb, bf->rows, k, idx + i0, take, l);
         for (int i = 0; i < take; i++) {
             uint32_t u = (uint32_t)to_bf16(l[i]) << 16; /* rounded as the GEMM's Y_BF16_IN_F32 */
@@ -344,15 +347,15 @@ int64_t kvs_greedy_head(const float *x, const float *approx, const float *xnorms
                 double xs = 0.0;
                 for (int64_t kk = 0; kk < k; kk++) xs += (double)xr[kk] * xr[kk];
                 float cx = (float)(c * sqrt(xs) * up); /* c |x|, rounded well up */
-                bad_rows += pick_row(xr, approx + r * n, wp, f32_rows, wnorm, NULL, 0, NULL, n, k, cx, 0.0f, idx, top, o,
-                                     val, ch);
+                bad_rows += pick_row(xr, approx + r * n, wp, f32_rows, wnorm, NULL, 0, NULL, n, k, cx, 0.0f, idx, top,
+                                     o, val, ch);
             } else {
                 double xn = xnorms[2 * r], en = xnorms[2 * r + 1];
                 double g = gamma + 0x1p-20;
                 float c1 = (float)((en + 3.0 * gamma * xn + g * (xn + en)) * up);
                 float c2 = (float)((xn + en) * (1.0 + g) * up);
-                bad_rows += pick_row(xr, approx + r * n, wp, f32_rows, wnorm, enorm, 1, xb ? &bf : NULL, n, k, c1, c2, idx,
-                                     top, o, val, ch);
+                bad_rows += pick_row(xr, approx + r * n, wp, f32_rows, wnorm, enorm, 1, xb ? &bf : NULL, n, k, c1, c2,
+                                     idx, top, o, val, ch);
             }
         }
         free(bf.group);
