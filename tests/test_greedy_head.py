@@ -404,45 +404,51 @@ def test_a_bf16_models_checks_from_its_rows_give_its_gemms_bits(k, dot, copy_env
                 assert torch.equal(greedy._copy_tokens(x, values, hi_dims), want), (kept, hi_dims)
                 assert torch.equal(values, logits[torch.arange(len(x)), want]), (kept, hi_dims)
                 assert greedy.checked - before > 16 * len(x), (kept, hi_dims)  # more than a batch of 16 a row
-        # the kept rows are what the checks read on the dot products (and only there): rows moved away
-        # from the packed head move the answers' values
+        # the kept rows are what the checks read: rows moved away from the packed head move the values
         greedy = GreedyHead(KERNELS, head, packed, kept=True)
         greedy.head_rows = head.clone()
         greedy.head_rows[:40] = 0
         values = torch.full((len(x),), float("nan"))
         greedy._copy_tokens(x, values, -1)
-        assert torch.equal(values, logits[torch.arange(len(x)), want]) != dot
+        assert not torch.equal(values, logits[torch.arange(len(x)), want])
     finally:
         lib.kvs_bf16_dot_enable(int(KERNELS.bf16_dot))
 
 
 @needs_int8
 @pytest.mark.parametrize("k", [576, 70, 2])
-def test_bf16_dot_logits_are_the_gemms_float32_sums(k):
-    """csrc/greedy_head.c's dot_logits, 1 to 16 columns at once from the head's rows, against the
-    packed GEMM's float32 sums on bf16 dot products: the same bits."""
+@pytest.mark.parametrize("dot", [True, False])  # the GEMM on bf16 dot products, or widened
+def test_bf16_checks_from_rows_are_the_gemms_float32_sums(k, dot):
+    """csrc/greedy_head.c's sums from the head's rows, 1 to 16 columns at once (dot_logits on the dot
+    products, exact_bf16_logits for the widened weights), against the packed GEMM's float32 sums
+    the same way: the same bits."""
     import ctypes
 
-    if not KERNELS.bf16_dot:
+    if dot and not KERNELS.bf16_dot:
         pytest.skip("no bf16 dot products in this build or CPU")
     lib = KERNELS._lib
-    lib.kvs_greedy_dot_logits.restype = ctypes.c_int
-    lib.kvs_greedy_dot_logits.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                          ctypes.c_int, ctypes.c_void_p]
+    lib.kvs_greedy_row_logits.restype = ctypes.c_int
+    lib.kvs_greedy_row_logits.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                          ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     gen = torch.Generator().manual_seed(k)
     head = (torch.randn(500, k, generator=gen) * torch.logspace(-3, 2, k)).bfloat16()  # sums that round
     x = (torch.randn(3, k, generator=gen) * 10).bfloat16()
     sums = torch.empty(3, 500)
-    packed = KERNELS.pack(head)  # held: C gets only its pointer
-    lib.kvs_gemm_bf16x(x.data_ptr(), k, packed.data.data_ptr(), None, sums.data_ptr(), 0, 3, 500, k)
-    for count in (1, 5, 16):
+    assert lib.kvs_bf16_dot_enable(int(dot)) == dot
+    try:
+        packed = KERNELS.pack(head)  # held: C gets only its pointer
+        lib.kvs_gemm_bf16x(x.data_ptr(), k, packed.data.data_ptr(), None, sums.data_ptr(), 0, 3, 500, k)
+    finally:
+        lib.kvs_bf16_dot_enable(int(KERNELS.bf16_dot))
+    for count in (1, 5, 9, 16):
         idx = torch.randint(0, 500, (count,), generator=gen, dtype=torch.int32)
         for r in range(3):
             out = torch.full((count,), float("nan"))
-            assert lib.kvs_greedy_dot_logits(x[r].data_ptr(), head.data_ptr(), k, idx.data_ptr(), count,
+            assert lib.kvs_greedy_row_logits(x[r].data_ptr(), head.data_ptr(), k, idx.data_ptr(), count, int(dot),
                                              out.data_ptr()) == 0
             assert torch.equal(out, sums[r, idx.long()]), (count, r)
-    assert lib.kvs_greedy_dot_logits(x[0].data_ptr(), head.data_ptr(), k, idx.data_ptr(), 17, out.data_ptr()) == -1
+    assert lib.kvs_greedy_row_logits(x[0].data_ptr(), head.data_ptr(), k, idx.data_ptr(), 17, int(dot),
+                                     out.data_ptr()) == -1
 
 
 @needs_int8

@@ -67,6 +67,25 @@ static void exact_logits(const float *x, const float *rows, const float *wp, int
     memcpy(out, acc, (size_t)count * sizeof *out);
 }
 
+/* The float32 sums the model's GEMM makes for bf16 weights widened (csrc/gemm.c: micro, and one row's
+ * gemv_bf16_group, where no bf16 dot products run) for columns idx[0 .. count) (count <= CHAINS) of x
+ * (its bf16 row widened): each column an FMA chain over k in order from zero of x and the column's
+ * weights widened, here read from the head's row-major bf16 rows, so the same bits. */
+static void exact_bf16_logits(const float *x, const uint16_t *rows, int64_t k, const int32_t *idx, int count,
+                              float *out) {
+    const uint16_t *w[CHAINS];
+    for (int i = 0; i < CHAINS; i++) w[i] = rows + (int64_t)idx[i < count ? i : 0] * k;
+    float acc[CHAINS] = {0};
+    for (int64_t kk = 0; kk < k; kk++)
+        for (int i = 0; i < CHAINS; i++) {
+            uint32_t u = (uint32_t)w[i][kk] << 16;
+            float wf;
+            memcpy(&wf, &u, sizeof wf);
+            acc[i] = fmaf(x[kk], wf, acc[i]);
+        }
+    memcpy(out, acc, (size_t)count * sizeof *out);
+}
+
 void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const float *bias, void *y, int form,
                     int64_t m, int64_t n, int64_t k);
 int kvs_amx_active(void);
@@ -81,12 +100,13 @@ void kvs_amx_row_release(void);
  * computed beside it, so one group's products give the bits the whole head's would. A group is
  * `cols` columns: the packed GEMM's (group_elems elements each), or on AMX tiles (amx) one
  * 16-column tile (kvs_amx_row_tile; xpad: the row padded to kb_count k blocks of 32). With `rows`
- * (the head [n, k] row-major, a tied embedding) where the GEMM runs on bf16 dot products, the
- * candidates' sums come from those rows instead, VW at a time (dot_logits). */
+ * (the head [n, k] row-major, a tied embedding), off the AMX tiles, the candidates' sums come from
+ * those rows instead: 16 at a time on the bf16 dot products (dot_logits), else CHAINS at a time as
+ * the widened weights' chains (exact_bf16_logits). */
 typedef struct {
     const uint16_t *xb, *wb, *rows;
     int64_t group_elems, cols, kb_count;
-    int amx;
+    int amx, dot; /* dot: the GEMM runs on bf16 dot products (else on the weights widened) */
     uint16_t *xpad;
     float *group;
 } Bf16Head;
@@ -147,18 +167,28 @@ static void dot_logits(const uint16_t *xb, const uint16_t *rows, int64_t k, cons
 #define DOT_LOGITS 0
 #endif
 
-/* dot_logits for tests: the float32 sums of columns idx[0 .. count) (count <= 16) of the bf16 rows
- * [n, k] against the bf16 row xb; 0, or -1 where this build has no bf16 dot products. */
-int kvs_greedy_dot_logits(const uint16_t *xb, const uint16_t *rows, int64_t k, const int32_t *idx, int count,
+/* For tests: the float32 sums of columns idx[0 .. count) (count <= 16) of the bf16 rows [n, k]
+ * against the bf16 row xb, as dot_logits (dot) or exact_bf16_logits make them; 0, or -1 where this
+ * build has no bf16 dot products (dot) or for a bad count. */
+int kvs_greedy_row_logits(const uint16_t *xb, const uint16_t *rows, int64_t k, const int32_t *idx, int count, int dot,
                           float *out) {
+    if (count < 1 || count > 16 || (dot && (k % 2 || !DOT_LOGITS))) return -1;
 #if DOT_LOGITS
-    if (count < 1 || count > 16 || k % 2) return -1;
-    dot_logits(xb, rows, k, idx, count, out);
-    return 0;
-#else
-    (void)xb, (void)rows, (void)k, (void)idx, (void)count, (void)out;
-    return -1;
+    if (dot) {
+        dot_logits(xb, rows, k, idx, count, out);
+        return 0;
+    }
 #endif
+    float *x = malloc((size_t)k * sizeof *x);
+    if (!x) return -1;
+    for (int64_t kk = 0; kk < k; kk++) {
+        uint32_t u = (uint32_t)xb[kk] << 16;
+        memcpy(x + kk, &u, sizeof u);
+    }
+    for (int c = 0; c < count; c += CHAINS)
+        exact_bf16_logits(x, rows, k, idx + c, count - c < CHAINS ? count - c : CHAINS, out + c);
+    free(x);
+    return 0;
 }
 
 /* One row: its answer into *out (and its logit into *value, the tokens checked into *checked);
@@ -232,13 +262,18 @@ static inline __attribute__((always_inline)) int pick_row(const float *xr, const
         memcpy(bf->xpad, bf->xb, (size_t)k * sizeof *bf->xpad); /* the padding past k stays zero */
         kvs_amx_row_config();
     }
-#if DOT_LOGITS
     for (int64_t i0 = 0; bf && bf->rows && i0 < count; i0 += 16) {
         int take = count - i0 < 16 ? (int)(count - i0) : 16;
         float l[16];
         for (int64_t i = i0 + 16; i < i0 + 32 && i < count; i++) /* the next 16 rows, read while these are summed */
             for (int64_t b = 0; b < 2 * k; b += 64) __builtin_prefetch((const char *)(bf->rows + idx[i] * k) + b, 0, 3);
-        dot_logits(bf->xb, bf->rows, k, idx + i0, take, l);
+#if DOT_LOGITS
+        if (bf->dot)
+            dot_logits(bf->xb, bf->rows, k, idx + i0, take, l);
+        else
+#endif
+            for (int c = 0; c < take; c += CHAINS)
+                exact_bf16_logits(xr, bf->rows, k, idx + i0 + c, take - c < CHAINS ? take - c : CHAINS, l + c);
         for (int i = 0; i < take; i++) {
             uint32_t u = (uint32_t)to_bf16(l[i]) << 16; /* rounded as the GEMM's Y_BF16_IN_F32 */
             float v;
@@ -249,7 +284,6 @@ static inline __attribute__((always_inline)) int pick_row(const float *xr, const
             }
         }
     }
-#endif
     for (int64_t i = 0, last = -1; bf && !bf->rows && i < count; i++) {
         int64_t g = idx[i] / bf->cols;
         if (g != last) { /* the candidate's group, by the model's own GEMM */
@@ -324,10 +358,11 @@ int64_t kvs_greedy_head(const float *x, const float *approx, const float *xnorms
         /* on AMX tiles the model's head is packed in 16-column tiles (csrc/amx_gemm.c) */
         int amx = xb != NULL && kvs_amx_active();
         int64_t cols = amx ? 16 : kvs_gemm_group(), kb_count = (k + 31) / 32;
-        /* a bf16 model's rows of the head, where its GEMM runs on bf16 dot products (dot_logits) */
-        const uint16_t *bf_rows = DOT_LOGITS && xb && !amx && kvs_bf16_dot_active() && k % 2 == 0 ? head : NULL;
+        /* a bf16 model's rows of the head, off the AMX tiles (dot_logits, exact_bf16_logits) */
+        int dot = kvs_bf16_dot_active();
+        const uint16_t *bf_rows = xb && !amx && (!dot || k % 2 == 0) ? head : NULL;
         const float *f32_rows = xb ? NULL : head;
-        Bf16Head bf = {NULL, wb, bf_rows, group_elems, cols, kb_count, amx,
+        Bf16Head bf = {NULL, wb, bf_rows, group_elems, cols, kb_count, amx, dot,
                        amx ? calloc((size_t)kb_count * 32, sizeof(uint16_t)) : NULL,
                        xb ? malloc((size_t)cols * sizeof(float)) : NULL};
         int lacking = idx == NULL || top == NULL || (xb && bf.group == NULL) || (amx && bf.xpad == NULL);
