@@ -16,7 +16,7 @@ int8 where the build has its products, else bf16; KVSTRATA_GREEDY_HEAD_COPY=int8
 A bf16 model's calls choose, call by call, among the int8 copy with x's few largest values past a
 byte, the copy with all of x at 16 bits and the model's own head, by the times of the calls
 themselves (worker/head_choice.py): the tokens the bound leaves cost a bf16 model a group of its
-GEMM each, and how many it leaves depends on the rows.
+GEMM each (a row of the head, where it keeps the rows), and how many it leaves depends on the rows.
 Two byte dot products a quad of k (x's high and low bytes) make as many multiply-adds a cycle as
 one bf16 dot product a pair, so the int8 copy gains where the head streams from memory: on a 2-core
 Zen 4 EPYC, against the bf16 copy, 1.4-1.8x at 1 row and 1.2-1.5x at 4, even from 8 to 32 rows,
@@ -146,8 +146,8 @@ class GreedyHead:
         self.copy = chosen_copy(kernels)
         # the int8 copy's x: its hi_dims largest values past one byte, so that the rest multiply as one
         # (csrc/int8_head.c); a bf16 model's calls choose among its ways as they come (`choice`): each
-        # token the bound leaves costs it a group of its GEMM, and how many it leaves depends on the
-        # rows (a float32 model's cost a row of the head each: HI_DIMS, measured on the model's rows)
+        # token the bound leaves costs it a group of its GEMM or a row of the head, and how many it
+        # leaves depends on the rows (a float32 model's cost a row each: HI_DIMS, measured on its rows)
         self.hi_dims = HI_DIMS_ALL if self.model_bf16 else HI_DIMS
         if self.model_bf16 and self.copy != "int8":
             raise ValueError("a bf16 model's greedy head needs the int8 copy")

@@ -3,8 +3,8 @@
 A bf16 model's greedy head has three ways to its tokens, all with the same bits: the int8 copy with
 x's few largest values past a byte, the int8 copy with every value of x at 16 bits, and the model's
 own bf16 head with its argmax. Which is fastest depends on the rows as much as on the host: each
-token the copy's bound leaves costs a group of the model's GEMM, and how many it leaves goes with
-how sure the model is. On a 2-core Zen 4 EPYC, 32 rows with the caches flushed: rows of chat
+token the copy's bound leaves costs a group of the model's GEMM (or, where the head's rows are kept,
+a row of the head: csrc/greedy_head.c), and how many it leaves goes with how sure the model is. On a 2-core Zen 4 EPYC, 32 rows with the caches flushed: rows of chat
 answers took 4.3-5.0 ms through the first way (12-19 tokens left a row), 5.5-5.9 through the
 second (5-7) and 5.1-5.8 through the model's head; the first decode steps after random 256-token
 prompts 18.7-21.0 ms (385-399 left a row), 8.3-9.0 (71-73) and 5.3, and the same sequences a
