@@ -113,30 +113,6 @@ typedef struct {
 
 #if VW == 16 && defined(__AVX512BF16__)
 #define DOT_LOGITS 1
-/* m[c] = column c of the 16 x 16 words m[r] (lane r of m[c] = lane c of m[r] before). */
-static inline __attribute__((always_inline)) void transpose16(__m512i m[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(m[i], m[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(m[i], m[i + 1]);
-    }
-    for (int j = 0; j < 16; j += 4) { /* u[j + c], 128-bit block b: rows j .. j + 3 at column 4 b + c */
-        u[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
-        u[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
-        u[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
-        u[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        __m512i w0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), w1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-        __m512i w2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-        __m512i w3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-        m[c] = _mm512_shuffle_i32x4(w0, w2, 0x88);
-        m[4 + c] = _mm512_shuffle_i32x4(w0, w2, 0xDD);
-        m[8 + c] = _mm512_shuffle_i32x4(w1, w3, 0x88);
-        m[12 + c] = _mm512_shuffle_i32x4(w1, w3, 0xDD);
-    }
-}
-
 /* The float32 sums the model's GEMM on bf16 dot products (csrc/gemm.c, dot_micro) makes for columns
  * idx[0 .. count) (count <= 16) of x's row (k even), into out: there each column is one lane's chain
  * of VDPBF16PS over x's k pairs in order from zero, a pair of x broadcast against the column's
@@ -153,9 +129,9 @@ static void dot_logits(const uint16_t *xb, const uint16_t *rows, int64_t k, cons
     for (int64_t k0 = 0; k0 < kp; k0 += 16) {
         int n = kp - k0 < 16 ? (int)(kp - k0) : 16;
         __mmask16 live = (__mmask16)((1u << n) - 1);
-        __m512i m[16];
-        for (int i = 0; i < 16; i++) m[i] = _mm512_maskz_loadu_epi32(live, r[i] + k0);
-        transpose16(m);
+        __m512 m[16];
+        for (int i = 0; i < 16; i++) m[i] = _mm512_maskz_loadu_ps(live, r[i] + k0);
+        transpose16(m); /* (vec.h) */
         for (int j = 0; j < n; j++)
             acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)x[k0 + j]), (__m512bh)m[j]);
     }

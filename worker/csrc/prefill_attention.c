@@ -45,32 +45,7 @@ typedef struct {
 /* Rows into lanes and back, d channels (a multiple of VW): lanes[c * stride + r] = rows[r][c] * scale,
  * and rows[r][c] = lanes[c * stride + r] * inv[r] for the first n rows. With AVX-512, 16 x 16 blocks
  * transposed in registers (scalar, the strided stores of a 32-row tile's queries and outputs took
- * a fifth of a 512-token prefill's attention); the same products either way. */
-#if VW == 16
-static inline __attribute__((always_inline)) void transpose16(__m512 *r) {
-    __m512 t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) { /* u[i + j]: column 4k + j of rows i .. i + 3, in 128-bit lane k */
-        u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int j = 0; j < 4; j++) {
-        __m512 lo = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88), hi = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD);
-        __m512 lo2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
-        __m512 hi2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
-        r[j] = _mm512_shuffle_f32x4(lo, lo2, 0x88);
-        r[8 + j] = _mm512_shuffle_f32x4(lo, lo2, 0xDD);
-        r[4 + j] = _mm512_shuffle_f32x4(hi, hi2, 0x88);
-        r[12 + j] = _mm512_shuffle_f32x4(hi, hi2, 0xDD);
-    }
-}
-#endif
-
+ * a fifth of a 512-token prefill's attention; vec.h's transpose16); the same products either way. */
 static inline __attribute__((always_inline)) void to_lanes(const float *const *rows, float scale, float *lanes,
                                                            int64_t stride, int64_t d) {
 #if VW == 16

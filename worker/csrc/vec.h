@@ -240,4 +240,31 @@ static inline __attribute__((always_inline)) vf transpose_sumv(const vf *p) {
 #define SMALL_OPS_ROWS 8
 #define SILU_ROWS 4
 
+#if VW == 16
+/* 16 x 16 lanes turned: r[c] gets lane c of each r[i] before, in lane i. It only moves bits, so rows
+ * of any 32-bit values go through it (csrc/prefill_attention.c's rows and lanes, csrc/greedy_head.c's
+ * bf16 pairs). */
+static inline __attribute__((always_inline)) void transpose16(__m512 *r) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* u[i + j]: column 4k + j of rows i .. i + 3, in 128-bit lane k */
+        u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512 lo = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88), hi = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD);
+        __m512 lo2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+        __m512 hi2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
+        r[j] = _mm512_shuffle_f32x4(lo, lo2, 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(lo, lo2, 0xDD);
+        r[4 + j] = _mm512_shuffle_f32x4(hi, hi2, 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(hi, hi2, 0xDD);
+    }
+}
+#endif
 #endif
