@@ -126,8 +126,8 @@ class GreedyHead:
         group by group by that GEMM, or from `head`'s rows, below). The float32 logits left to
         compute read the head's rows: from `head` itself where the caller keeps it anyway (kept: a
         tied embedding), else from the packed copy (the same values, a read every group's width of
-        floats). A bf16 model's read `head`'s rows where kept and its GEMM runs on bf16 dot
-        products, the same sums as that GEMM's."""
+        floats). A bf16 model's read `head`'s rows where kept and its GEMM runs off AMX tiles (on
+        bf16 dot products or widened weights), the same sums as that GEMM's."""
         self.model_bf16 = packed.data.dtype == torch.bfloat16
         if head.shape != (packed.n, packed.k) or head.dtype != packed.data.dtype \
                 or head.dtype not in (torch.float32, torch.bfloat16):
