@@ -404,13 +404,14 @@ def test_a_bf16_models_checks_from_its_rows_give_its_gemms_bits(k, dot, copy_env
                 assert torch.equal(greedy._copy_tokens(x, values, hi_dims), want), (kept, hi_dims)
                 assert torch.equal(values, logits[torch.arange(len(x)), want]), (kept, hi_dims)
                 assert greedy.checked - before > 16 * len(x), (kept, hi_dims)  # more than a batch of 16 a row
-        # the kept rows are what the checks read: rows moved away from the packed head move the values
+        # the kept rows are what the checks read (off AMX tiles, which keep the group path): rows moved
+        # away from the packed head move the values
         greedy = GreedyHead(KERNELS, head, packed, kept=True)
         greedy.head_rows = head.clone()
         greedy.head_rows[:40] = 0
         values = torch.full((len(x),), float("nan"))
         greedy._copy_tokens(x, values, -1)
-        assert not torch.equal(values, logits[torch.arange(len(x)), want])
+        assert torch.equal(values, logits[torch.arange(len(x)), want]) == KERNELS.amx
     finally:
         lib.kvs_bf16_dot_enable(int(KERNELS.bf16_dot))
 
@@ -426,6 +427,8 @@ def test_bf16_checks_from_rows_are_the_gemms_float32_sums(k, dot):
 
     if dot and not KERNELS.bf16_dot:
         pytest.skip("no bf16 dot products in this build or CPU")
+    if KERNELS.amx:
+        pytest.skip("the GEMM runs on AMX tiles here, in their own order; their checks keep the group path")
     lib = KERNELS._lib
     lib.kvs_greedy_row_logits.restype = ctypes.c_int
     lib.kvs_greedy_row_logits.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
