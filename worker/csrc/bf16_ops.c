@@ -19,26 +19,19 @@
 
 #include "vec.h"
 
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
+static inline float round_bf16(float f) { return bf16_to_f32(to_bf16(f)); }
 
 static inline __attribute__((always_inline)) void norm_row(const uint16_t *h, const uint16_t *w, uint16_t *out,
                                                            int64_t n, float eps) {
     float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < n; i++) {
-        float v = from_bf16(h[i]);
+        float v = bf16_to_f32(h[i]);
         ss += v * v;
     }
     float inv = 1.0f / sqrtf(ss / (float)n + eps);
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) out[i] = to_bf16(from_bf16(w[i]) * round_bf16(from_bf16(h[i]) * inv));
+    for (int64_t i = 0; i < n; i++) out[i] = to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(h[i]) * inv));
 }
 
 void kvs_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t n, float eps) {
@@ -54,7 +47,7 @@ void kvs_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t
         uint16_t *h = residual + r * n;
         const uint16_t *xr = x + r * n;
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) h[i] = to_bf16(from_bf16(h[i]) + from_bf16(xr[i]));
+        for (int64_t i = 0; i < n; i++) h[i] = to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(xr[i]));
         if (w != NULL) norm_row(h, w, out + r * n, n, eps);
     }
 }
@@ -64,12 +57,12 @@ void kvs_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t
 static void rotate_row(uint16_t *x, const uint16_t *cos, const uint16_t *ssin, int64_t d) {
     int64_t half = d / 2;
     float xs[256], rolled[256];
-    for (int64_t i = 0; i < d; i++) xs[i] = from_bf16(x[i]);
+    for (int64_t i = 0; i < d; i++) xs[i] = bf16_to_f32(x[i]);
     memcpy(rolled, xs + half, (size_t)half * sizeof(float));
     memcpy(rolled + half, xs, (size_t)half * sizeof(float));
 #pragma omp simd
     for (int64_t i = 0; i < d; i++)
-        x[i] = to_bf16(round_bf16(xs[i] * from_bf16(cos[i])) + round_bf16(rolled[i] * from_bf16(ssin[i])));
+        x[i] = to_bf16(round_bf16(xs[i] * bf16_to_f32(cos[i])) + round_bf16(rolled[i] * bf16_to_f32(ssin[i])));
 }
 
 /* One layer's RoPE (queries and keys of qkv [T, row], in place) and the write of the rotated keys
@@ -99,10 +92,10 @@ void kvs_silu_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t rows, int
         if (i0 < inter) { /* the last few, through a buffer of one vector */
             int64_t n = inter - i0;
             float s[VW] = {0};
-            for (int64_t i = 0; i < n; i++) s[i] = from_bf16(g[i0 + i]);
+            for (int64_t i = 0; i < n; i++) s[i] = bf16_to_f32(g[i0 + i]);
             vf sv = siluv(loadv(s));
             memcpy(s, &sv, sizeof sv);
-            for (int64_t i = 0; i < n; i++) out[i0 + i] = to_bf16(round_bf16(s[i]) * from_bf16(u[i0 + i]));
+            for (int64_t i = 0; i < n; i++) out[i0 + i] = to_bf16(round_bf16(s[i]) * bf16_to_f32(u[i0 + i]));
         }
     }
 }
@@ -112,7 +105,7 @@ void kvs_silu_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t rows, int
 void kvs_widen_bf16(const uint16_t *src, int64_t src_stride, float *dst, int64_t rows, int64_t n) {
     for (int64_t r = 0; r < rows; r++) {
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) dst[r * n + i] = from_bf16(src[r * src_stride + i]);
+        for (int64_t i = 0; i < n; i++) dst[r * n + i] = bf16_to_f32(src[r * src_stride + i]);
     }
 }
 

@@ -77,12 +77,7 @@ static void exact_bf16_logits(const float *x, const uint16_t *rows, int64_t k, c
     for (int i = 0; i < CHAINS; i++) w[i] = rows + (int64_t)idx[i < count ? i : 0] * k;
     float acc[CHAINS] = {0};
     for (int64_t kk = 0; kk < k; kk++)
-        for (int i = 0; i < CHAINS; i++) {
-            uint32_t u = (uint32_t)w[i][kk] << 16;
-            float wf;
-            memcpy(&wf, &u, sizeof wf);
-            acc[i] = fmaf(x[kk], wf, acc[i]);
-        }
+        for (int i = 0; i < CHAINS; i++) acc[i] = fmaf(x[kk], bf16_to_f32(w[i][kk]), acc[i]);
     memcpy(out, acc, (size_t)count * sizeof *out);
 }
 
@@ -90,6 +85,7 @@ void kvs_gemm_bf16x(const uint16_t *x, int64_t ldx, const uint16_t *wp, const fl
                     int64_t m, int64_t n, int64_t k);
 int kvs_amx_active(void);
 int kvs_bf16_dot_active(void);
+void kvs_widen_bf16(const uint16_t *src, int64_t src_stride, float *dst, int64_t rows, int64_t n);
 void kvs_amx_row_config(void);
 void kvs_amx_row_tile(const uint16_t *xp, const uint16_t *wp, int64_t kb_count, int64_t tile, float *out);
 void kvs_amx_row_release(void);
@@ -157,10 +153,7 @@ int kvs_greedy_row_logits(const uint16_t *xb, const uint16_t *rows, int64_t k, c
 #endif
     float *x = malloc((size_t)k * sizeof *x);
     if (!x) return -1;
-    for (int64_t kk = 0; kk < k; kk++) {
-        uint32_t u = (uint32_t)xb[kk] << 16;
-        memcpy(x + kk, &u, sizeof u);
-    }
+    kvs_widen_bf16(xb, k, x, 1, k);
     for (int c = 0; c < count; c += CHAINS)
         exact_bf16_logits(x, rows, k, idx + c, count - c < CHAINS ? count - c : CHAINS, out + c);
     free(x);
@@ -251,9 +244,7 @@ static inline __attribute__((always_inline)) int pick_row(const float *xr, const
             for (int c = 0; c < take; c += CHAINS)
                 exact_bf16_logits(xr, bf->rows, k, idx + i0 + c, take - c < CHAINS ? take - c : CHAINS, l + c);
         for (int i = 0; i < take; i++) {
-            uint32_t u = (uint32_t)to_bf16(l[i]) << 16; /* rounded as the GEMM's Y_BF16_IN_F32 */
-            float v;
-            memcpy(&v, &u, sizeof v);
+            float v = bf16_to_f32(to_bf16(l[i])); /* rounded as the GEMM's Y_BF16_IN_F32 */
             if (at < 0 || v > best) {
                 best = v;
                 at = idx[i0 + i];

@@ -16,13 +16,6 @@
 
 #include "vec.h"
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 typedef float v16f __attribute__((vector_size(64))); /* the int4 unpacking works on 32 channels at a time */
 typedef int32_t v16i __attribute__((vector_size(64)));
 

@@ -35,6 +35,14 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* A bf16 value as the float32 it stands for. */
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 /* What a bf16 GEMM's y holds (kvs_amx_gemm's y_bf16, kvs_gemm_bf16x's form): float32 sums, or those
  * sums (plus the bias) rounded to bf16, stored as bf16 or as the float32 values they are. */
 enum { Y_F32 = 0, Y_BF16 = 1, Y_BF16_IN_F32 = 2, Y_SILU = 3, Y_SILU_BF16 = 4 }; /* Y_SILU*: gemm.c's gate/up pairs */
