@@ -198,7 +198,8 @@ static inline __attribute__((always_inline)) void int8_tile(const uint32_t *hi, 
 
 /* Rows r0 .. r0 + R - 1 (R <= QH_ROWS) whose every quad has a hi byte (hi_dims none: every value at 16
  * bits) against tile t: both sums in one pass over the tile, 3 rows x 4 vectors x (hi, lo) = 24 of
- * them, each weight vector loaded once for both. */
+ * them, each weight vector loaded once for both. ahead and next as in int8_tile (blocks of QH_ROWS
+ * rows). */
 static inline __attribute__((always_inline)) void int8_tile_16(const uint32_t *hi, const uint32_t *lo, int64_t kq,
                                                                const int8_t *qp, const float *scale,
                                                                const int32_t *rowsum, const float *sx, int64_t t,
