@@ -151,7 +151,9 @@ static inline __attribute__((always_inline)) void int8_hi_pass(const uint32_t *h
  * eleven, alternating) the approximate logits took 1.12-1.58x less time at 7-8 rows, 1.06-1.24x at
  * 12-16 and 1.04-1.12x at 24-32 (16-bit rows, a bf16 model's other way: 1.04-1.21x at 4-24), the
  * head's share of a decode step 0.3 ms less at batch 8 and 0.5 at 32 (fp32, medians of six). A
- * share of the next tile where one block takes every row ran 0.81x at one row. The AVX2 kernel,
+ * share of the next tile where one block takes every row ran 0.81x at one row. The first block
+ * still asks Q_AHEAD ahead as well, which after a thread's first tile repeats lines already asked
+ * for: without it anywhere, 0.87-1.08x at 8-32 rows, no better. The AVX2 kernel,
  * whose 16-bit products set its pace, ran 0.66-0.86x with the same shares, and keeps without. */
 static inline __attribute__((always_inline)) void int8_tile(const uint32_t *hi, const uint32_t *lo, int64_t kq,
                                                             const int32_t *uq, int64_t nu, const int8_t *qp,
